@@ -1,0 +1,155 @@
+"""SQLAlchemy 2 models: every table flywheel keeps. Alembic revisions in ``migrations/`` own the schema.
+
+Invariants:
+- Raw events (generations, feedback) are keyed by their ``event_id``; inserting one twice is a no-op,
+  so replaying a topic never duplicates a row.
+- The full event is kept as JSON in ``payload`` so every trajectory and score can be rebuilt from
+  raw events; the other columns are for filtering and joins.
+- Rows are portable between PostgreSQL (production) and SQLite (embedded).
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from sqlalchemy import JSON, BigInteger, DateTime, Float, Index, Integer, String, Text, UniqueConstraint
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+
+class Base(DeclarativeBase):
+    type_annotation_map = {datetime: DateTime(timezone=True), dict: JSON}
+
+
+class Generation(Base):
+    __tablename__ = "generations"
+
+    event_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    generation_id: Mapped[str] = mapped_column(String(128), unique=True)
+    tenant: Mapped[str] = mapped_column(String(128))
+    session_id: Mapped[str] = mapped_column(String(256))
+    model_line: Mapped[str] = mapped_column(String(128))
+    model_version: Mapped[int] = mapped_column(Integer)
+    node_id: Mapped[str] = mapped_column(String(128))
+    ts: Mapped[datetime]
+    payload: Mapped[dict] = mapped_column(JSON)
+
+    __table_args__ = (Index("ix_generations_session", "tenant", "session_id"),)
+
+
+class Feedback(Base):
+    __tablename__ = "feedback"
+
+    event_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    feedback_id: Mapped[str] = mapped_column(String(128))
+    tenant: Mapped[str] = mapped_column(String(128))
+    session_id: Mapped[str] = mapped_column(String(256))
+    generation_id: Mapped[str | None] = mapped_column(String(128))
+    kind: Mapped[str] = mapped_column(String(32))
+    signal: Mapped[str] = mapped_column(String(64))
+    value: Mapped[float | None] = mapped_column(Float)
+    ts: Mapped[datetime]
+    #: pending (session open), joined (part of an emitted trajectory), expired (after the horizon)
+    state: Mapped[str] = mapped_column(String(16), default="pending")
+    payload: Mapped[dict] = mapped_column(JSON)
+
+    __table_args__ = (
+        UniqueConstraint("tenant", "feedback_id", name="uq_feedback_tenant_feedback_id"),
+        Index("ix_feedback_session", "tenant", "session_id"),
+    )
+
+
+class SessionState(Base):
+    """Ingest's view of one session: open until an outcome or inactivity closes it."""
+
+    __tablename__ = "sessions"
+
+    tenant: Mapped[str] = mapped_column(String(128), primary_key=True)
+    session_id: Mapped[str] = mapped_column(String(256), primary_key=True)
+    status: Mapped[str] = mapped_column(String(16), default="open")
+    last_event_at: Mapped[datetime]
+    closed_at: Mapped[datetime | None]
+    revision: Mapped[int] = mapped_column(Integer, default=0)
+
+    __table_args__ = (Index("ix_sessions_status", "status", "last_event_at"),)
+
+
+class Trajectory(Base):
+    __tablename__ = "trajectories"
+
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True)
+    trajectory_id: Mapped[str] = mapped_column(String(128))
+    revision: Mapped[int] = mapped_column(Integer)
+    event_id: Mapped[str] = mapped_column(String(128), unique=True)
+    tenant: Mapped[str] = mapped_column(String(128))
+    session_id: Mapped[str] = mapped_column(String(256))
+    model_line: Mapped[str] = mapped_column(String(128))
+    closed_reason: Mapped[str] = mapped_column(String(32))
+    ts: Mapped[datetime]
+    payload: Mapped[dict] = mapped_column(JSON)
+
+    __table_args__ = (UniqueConstraint("trajectory_id", "revision", name="uq_trajectory_revision"),)
+
+
+class ScoredTrajectoryRow(Base):
+    __tablename__ = "scored_trajectories"
+
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True)
+    trajectory_id: Mapped[str] = mapped_column(String(128))
+    revision: Mapped[int] = mapped_column(Integer)
+    reward_spec_version: Mapped[str] = mapped_column(String(64))
+    event_id: Mapped[str] = mapped_column(String(128), unique=True)
+    tenant: Mapped[str] = mapped_column(String(128))
+    total_reward: Mapped[float] = mapped_column(Float)
+    ts: Mapped[datetime]
+    payload: Mapped[dict] = mapped_column(JSON)
+
+    __table_args__ = (
+        UniqueConstraint("trajectory_id", "revision", "reward_spec_version", name="uq_scored_revision_spec"),
+    )
+
+
+class ModelVersion(Base):
+    __tablename__ = "model_versions"
+
+    model_line: Mapped[str] = mapped_column(String(128), primary_key=True)
+    version: Mapped[int] = mapped_column(Integer, primary_key=True)
+    kind: Mapped[str] = mapped_column(String(8))  # full | delta
+    parent: Mapped[int | None] = mapped_column(Integer)
+    sha256: Mapped[str] = mapped_column(String(64))
+    store_key: Mapped[str] = mapped_column(String(512))
+    bytes: Mapped[int] = mapped_column(BigInteger)
+    full_bytes: Mapped[int] = mapped_column(BigInteger)
+    fraction_changed: Mapped[float | None] = mapped_column(Float)
+    train_step: Mapped[int | None] = mapped_column(Integer)
+    metrics: Mapped[dict] = mapped_column(JSON, default=dict)
+    #: candidate | canary | stable | rolled_back | retired
+    status: Mapped[str] = mapped_column(String(16), default="candidate")
+    created_at: Mapped[datetime]
+
+
+class VersionTransition(Base):
+    """Audit log: every status change of every version, with who/why."""
+
+    __tablename__ = "version_transitions"
+
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True)
+    model_line: Mapped[str] = mapped_column(String(128))
+    version: Mapped[int] = mapped_column(Integer)
+    from_status: Mapped[str | None] = mapped_column(String(16))
+    to_status: Mapped[str] = mapped_column(String(16))
+    reason: Mapped[str] = mapped_column(Text, default="")
+    at: Mapped[datetime]
+
+
+class Node(Base):
+    __tablename__ = "nodes"
+
+    node_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    region: Mapped[str] = mapped_column(String(64))
+    url: Mapped[str] = mapped_column(String(512))
+    model_line: Mapped[str] = mapped_column(String(128))
+    live_version: Mapped[int | None] = mapped_column(Integer)
+    #: serving | updating | failed_update
+    status: Mapped[str] = mapped_column(String(32), default="serving")
+    detail: Mapped[str] = mapped_column(Text, default="")
+    last_heartbeat: Mapped[datetime]

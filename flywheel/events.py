@@ -1,0 +1,225 @@
+"""Wire contracts, version 1: the only shapes that cross the bus.
+
+Every event carries ``event_id`` (the idempotency key: a replayed or retried event has the same
+id), ``schema_version``, a UTC ``ts``, a ``tenant`` and a ``session_id`` (also the bus key, so one
+session's events stay in order on one partition). Events are immutable; consumers must accept an
+event they have already seen and do nothing.
+
+Token sequences are flat lists of ints exactly as the serving engine produced them; nothing
+downstream re-tokenises text.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from datetime import datetime, timezone
+from typing import Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+SCHEMA_VERSION = 1
+
+
+def new_id() -> str:
+    return uuid.uuid4().hex
+
+
+def utcnow() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+class _Event(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    topic: ClassVar[str]
+
+    event_id: str = Field(default_factory=new_id, min_length=1, max_length=128)
+    schema_version: int = SCHEMA_VERSION
+    ts: datetime = Field(default_factory=utcnow)
+    tenant: str = Field(min_length=1, max_length=128)
+    session_id: str = Field(min_length=1, max_length=256)
+
+    def to_bytes(self) -> bytes:
+        return self.model_dump_json().encode()
+
+    @classmethod
+    def from_bytes(cls, raw: bytes):
+        """Decode and validate; raises ``pydantic.ValidationError`` or ``ValueError`` on bad input."""
+        return cls.model_validate_json(raw)
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: str
+    content: Any = None
+
+
+class SamplingParams(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_tokens: int | None = None
+    seed: int | None = None
+
+
+class GenerationEvent(_Event):
+    """One served completion, with everything needed to train on it."""
+
+    topic: ClassVar[str] = "generations"
+
+    generation_id: str = Field(min_length=1, max_length=128)
+    model_line: str
+    model_version: int = Field(ge=0)
+    node_id: str
+    request: dict[str, Any]
+    response: dict[str, Any]
+    prompt_token_ids: list[int]
+    completion_token_ids: list[int]
+    #: Log-probability of each sampled completion token, as the engine sampled it.
+    completion_logprobs: list[float]
+    sampling: SamplingParams
+    finish_reason: str | None = None
+    latency_ms: float = Field(ge=0)
+
+    @model_validator(mode="after")
+    def _aligned(self) -> "GenerationEvent":
+        if len(self.completion_logprobs) != len(self.completion_token_ids):
+            raise ValueError("completion_logprobs must have one entry per completion token")
+        return self
+
+
+FeedbackKind = Literal["explicit", "implicit", "outcome", "custom"]
+FEEDBACK_SIGNALS: dict[str, tuple[str, ...]] = {
+    "explicit": ("thumbs", "rating", "comment"),
+    "implicit": ("edit_accepted", "edit_rejected", "text_kept", "retry", "abandon"),
+    "outcome": ("task_solved", "tests_passed"),
+    "custom": (),
+}
+
+
+class FeedbackEvent(_Event):
+    """A user's signal about one generation or a whole session.
+
+    ``event_id`` is derived from the client-supplied ``feedback_id`` (see :func:`feedback_event_id`)
+    so a retried submission is the same event.
+    """
+
+    topic: ClassVar[str] = "feedback"
+
+    feedback_id: str = Field(min_length=1, max_length=128)
+    generation_id: str | None = Field(None, max_length=128)
+    kind: FeedbackKind
+    signal: str = Field(min_length=1, max_length=64)
+    #: thumbs: +1/-1; rating: any scale, normalised by the reward spec; outcomes: 1 or 0.
+    value: float | None = None
+    comment: str | None = Field(None, max_length=10_000)
+    #: Custom signals carry their own structured payload.
+    data: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _signal_matches_kind(self) -> "FeedbackEvent":
+        allowed = FEEDBACK_SIGNALS[self.kind]
+        if allowed and self.signal not in allowed:
+            raise ValueError(f"signal {self.signal!r} is not a {self.kind} signal; use one of {list(allowed)}")
+        return self
+
+
+def feedback_event_id(tenant: str, feedback_id: str) -> str:
+    return uuid.uuid5(uuid.NAMESPACE_URL, f"flywheel-feedback:{tenant}:{feedback_id}").hex
+
+
+class Turn(BaseModel):
+    """One assistant turn inside a trajectory, as offsets into the flat token sequence."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    generation_id: str
+    #: Completion tokens of this turn occupy ``tokens[start:end]``.
+    start: int = Field(ge=0)
+    end: int = Field(ge=0)
+    behaviour_version: int = Field(ge=0)
+
+
+class Segment(BaseModel):
+    """A flat token sequence; turns whose prompt extends the previous turn share one segment."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    tokens: list[int]
+    #: 1 where the token was produced by the assistant (trainable), 0 elsewhere.
+    mask: list[int]
+    #: Behaviour log-probabilities aligned with ``tokens`` (0.0 where mask is 0).
+    logprobs: list[float]
+    turns: list[Turn]
+
+    @model_validator(mode="after")
+    def _aligned(self) -> "Segment":
+        if not (len(self.tokens) == len(self.mask) == len(self.logprobs)):
+            raise ValueError("tokens, mask and logprobs must have the same length")
+        return self
+
+
+class TrajectoryEvent(_Event):
+    """A closed multi-turn session, ready for scoring."""
+
+    topic: ClassVar[str] = "trajectories"
+
+    trajectory_id: str
+    #: Increases each time late feedback re-opens and re-emits the trajectory.
+    revision: int = Field(0, ge=0)
+    model_line: str
+    segments: list[Segment]
+    #: The generations of the session in served order.
+    generation_ids: list[str]
+    feedback: list[FeedbackEvent]
+    closed_reason: Literal["outcome", "inactivity", "late_feedback"]
+    #: The task prompt (first user message) shared by sessions that may be grouped for advantages.
+    prompt_key: str | None = None
+
+
+class ScoredTrajectory(_Event):
+    """A trajectory with rewards: what the trainer consumes."""
+
+    topic: ClassVar[str] = "scored"
+
+    trajectory_id: str
+    revision: int = Field(0, ge=0)
+    model_line: str
+    segments: list[Segment]
+    #: One reward per turn, in the order of the turns across segments.
+    turn_rewards: list[float]
+    total_reward: float
+    reward_components: dict[str, float] = Field(default_factory=dict)
+    reward_spec_version: str
+    prompt_key: str | None = None
+
+
+class VersionEvent(_Event):
+    """A model version was published or changed status. ``session_id`` is the model line."""
+
+    topic: ClassVar[str] = "versions"
+
+    model_line: str
+    version: int = Field(ge=0)
+    kind: Literal["full", "delta"]
+    parent: int | None = None
+    sha256: str = Field(min_length=64, max_length=64)
+    status: Literal["candidate", "canary", "stable", "rolled_back", "retired"]
+    bytes: int = Field(ge=0)
+    full_bytes: int = Field(ge=0)
+
+
+ALL_EVENTS: tuple[type[_Event], ...] = (
+    GenerationEvent,
+    FeedbackEvent,
+    TrajectoryEvent,
+    ScoredTrajectory,
+    VersionEvent,
+)
+
+
+def json_schemas() -> dict[str, Any]:
+    """JSON Schema of every wire contract, keyed by class name (``flywheel schema``)."""
+    return {cls.__name__: cls.model_json_schema() for cls in ALL_EVENTS}
+
+
+def schemas_json() -> str:
+    return json.dumps({"schema_version": SCHEMA_VERSION, "events": json_schemas()}, indent=2)

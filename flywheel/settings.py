@@ -1,0 +1,231 @@
+"""All of flywheel's settings, in one validated model.
+
+Sources, lowest to highest precedence: the defaults below (the embedded stack: local log bus,
+SQLite, in-process live state, a local weight folder, the built-in engine with the tiny model),
+an optional TOML file (``FLYWHEEL_CONFIG`` or ``--config``), then environment variables
+``FLYWHEEL_<SECTION>__<KEY>`` (for example ``FLYWHEEL_BUS__KIND=kafka``).
+
+Invariants: unknown keys are errors (a renamed key fails loudly), every validation error is
+reported at once, and nothing else in the code reads ``os.environ`` for flywheel settings.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class BusSettings(_Section):
+    kind: Literal["local", "kafka"] = "local"
+    bootstrap_servers: str = "127.0.0.1:9092"
+    partitions: int = Field(4, ge=1, le=256)
+    #: Topic names are ``{topic_prefix}generations`` and so on; tests use a unique prefix.
+    topic_prefix: str = "flywheel."
+    #: Kafka consumer liveness; the defaults suit a real cluster, tests shorten them.
+    session_timeout_ms: int = Field(10_000, ge=1_000)
+    heartbeat_interval_ms: int = Field(1_000, ge=100)
+    max_poll_interval_ms: int = Field(300_000, ge=1_000)
+    compression: Literal["none", "gzip", "zstd", "lz4", "snappy"] = "gzip"
+
+
+class DatabaseSettings(_Section):
+    #: Empty means the embedded SQLite file ``{data_dir}/flywheel.db``.
+    url: str = ""
+    #: Seconds to wait for the database at start-up before giving up.
+    wait_s: float = Field(30.0, ge=0)
+
+
+class LiveSettings(_Section):
+    kind: Literal["memory", "redis"] = "memory"
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    key_prefix: str = "flywheel:"
+
+
+class StoreSettings(_Section):
+    kind: Literal["folder", "s3"] = "folder"
+    #: Empty means ``{data_dir}/weights``.
+    path: str = ""
+    bucket: str = ""
+    prefix: str = "flywheel/"
+    endpoint_url: str = ""
+
+
+class ModelSettings(_Section):
+    #: The model line every version belongs to.
+    line: str = "tiny-sim"
+    #: A local Hugging Face model directory; empty means the built-in tiny model, built on first use.
+    path: str = ""
+
+
+class GatewaySettings(_Section):
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=1, le=65535)
+    #: OpenAI-compatible upstream base URL (".../v1" not included); empty means the local node.
+    upstream: str = ""
+    #: ``off`` on embedded defaults; ``on`` requires a tenant API key on every request.
+    auth: Literal["off", "on"] = "off"
+    default_tenant: str = "local"
+    max_body_bytes: int = Field(1_000_000, ge=1_024)
+    upstream_timeout_s: float = Field(120.0, gt=0)
+
+
+class NodeSettings(_Section):
+    host: str = "127.0.0.1"
+    port: int = Field(8100, ge=1, le=65535)
+    node_id: str = "node-0"
+    region: str = "local"
+    #: How often the updater looks for a newer stable version (database poll fallback).
+    poll_s: float = Field(1.0, gt=0)
+    max_new_tokens: int = Field(32, ge=1, le=4096)
+    seed: int = 0
+
+
+class IngestSettings(_Section):
+    #: A session with no new event for this long is closed and emitted as a trajectory.
+    inactivity_timeout_s: float = Field(30.0, gt=0)
+    #: Feedback arriving this long after its trajectory closed is stored and counted, not re-emitted.
+    late_horizon_s: float = Field(3600.0, ge=0)
+
+
+class RewardSettings(_Section):
+    spec_version: str = "explicit-outcome-v1"
+    thumbs_up: float = 1.0
+    thumbs_down: float = -1.0
+    outcome_success: float = 1.0
+    outcome_failure: float = 0.0
+    retry_penalty: float = -0.5
+    abandon_penalty: float = -0.5
+    #: Discount applied to the session outcome for each turn before the last.
+    outcome_discount: float = Field(0.5, ge=0, le=1)
+
+
+class TrainerSettings(_Section):
+    lr: float = Field(3e-5, ge=0)
+    #: Trajectories per optimizer step.
+    batch_size: int = Field(16, ge=1)
+    #: Optimizer steps between published versions.
+    steps_per_version: int = Field(4, ge=1)
+    #: Samples whose behaviour version is more than this many versions old are dropped.
+    max_staleness: int = Field(4, ge=0)
+    clip_eps: float = Field(0.2, gt=0)
+    #: Truncated importance sampling: per-token ratio cap for the train/inference mismatch.
+    is_truncation: float = Field(2.0, ge=1)
+    #: A full checkpoint every K versions (the rest are deltas against their parent).
+    full_every: int = Field(50, ge=1)
+    seed: int = 0
+    weight_decay: float = Field(0.0, ge=0)
+
+
+class RolloutSettings(_Section):
+    #: Seconds between rollout decisions (hours in production, seconds in the demo).
+    interval_s: float = Field(10.0, gt=0)
+
+
+class Settings(BaseSettings):
+    """The root settings object; build it with :func:`load_settings`."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="FLYWHEEL_", env_nested_delimiter="__", extra="forbid", validate_default=True
+    )
+
+    data_dir: str = ".flywheel"
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    bus: BusSettings = BusSettings()
+    db: DatabaseSettings = DatabaseSettings()
+    live: LiveSettings = LiveSettings()
+    store: StoreSettings = StoreSettings()
+    model: ModelSettings = ModelSettings()
+    gateway: GatewaySettings = GatewaySettings()
+    node: NodeSettings = NodeSettings()
+    ingest: IngestSettings = IngestSettings()
+    rewards: RewardSettings = RewardSettings()
+    trainer: TrainerSettings = TrainerSettings()
+    rollout: RolloutSettings = RolloutSettings()
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # Environment over explicit (file) values, as documented above.
+        return (env_settings, init_settings)
+
+    @model_validator(mode="after")
+    def _check(self) -> "Settings":
+        if self.bus.heartbeat_interval_ms * 3 > self.bus.session_timeout_ms:
+            raise ValueError("bus.heartbeat_interval_ms must be at most a third of bus.session_timeout_ms")
+        return self
+
+    # Derived locations -------------------------------------------------------------------------
+
+    @property
+    def data_path(self) -> Path:
+        return Path(self.data_dir)
+
+    @property
+    def database_url(self) -> str:
+        return self.db.url or f"sqlite:///{self.data_path / 'flywheel.db'}"
+
+    @property
+    def store_path(self) -> Path:
+        return Path(self.store.path) if self.store.path else self.data_path / "weights"
+
+    @property
+    def bus_log_path(self) -> Path:
+        return self.data_path / "bus"
+
+    def topic(self, name: str) -> str:
+        """Full topic name for one of: generations, feedback, trajectories, scored, versions."""
+        return f"{self.bus.topic_prefix}{name}"
+
+
+class SettingsError(Exception):
+    """Settings could not be loaded; the message lists every problem at once."""
+
+
+def load_settings(path: str | os.PathLike[str] | None = None, **overrides: Any) -> Settings:
+    """Load settings from defaults, an optional TOML file, the environment and ``overrides``.
+
+    ``overrides`` are nested dicts keyed like the TOML file and win over everything else.
+    """
+    file_values: dict[str, Any] = {}
+    path = path or os.environ.get("FLYWHEEL_CONFIG")
+    if path:
+        try:
+            file_values = tomllib.loads(Path(path).read_text())
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise SettingsError(f"cannot read settings file {path}: {exc}") from exc
+    try:
+        settings = Settings(**file_values)
+        if overrides:
+            merged = _deep_merge(settings.model_dump(), overrides)
+            settings = Settings.model_validate(merged)
+    except ValidationError as exc:
+        problems = "\n".join(
+            f"  {'.'.join(str(p) for p in err['loc']) or '(root)'}: {err['msg']}" for err in exc.errors()
+        )
+        raise SettingsError(f"{exc.error_count()} invalid setting(s):\n{problems}") from None
+    return settings
+
+
+def _deep_merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
