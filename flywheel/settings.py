@@ -2,7 +2,7 @@
 
 Sources, lowest to highest precedence: the defaults below (the embedded stack: local log bus,
 SQLite, in-process live state, a local weight folder, the built-in engine with the tiny model),
-an optional TOML file (``FLYWHEEL_CONFIG`` or ``--config``), then environment variables
+an optional TOML (or JSON) file (``FLYWHEEL_CONFIG`` or ``--config``), then environment variables
 ``FLYWHEEL_<SECTION>__<KEY>`` (for example ``FLYWHEEL_BUS__KIND=kafka``).
 
 Invariants: unknown keys are errors (a renamed key fails loudly), every validation error is
@@ -11,6 +11,8 @@ reported at once, and nothing else in the code reads ``os.environ`` for flywheel
 
 from __future__ import annotations
 
+import contextvars
+import json
 import os
 import tomllib
 from pathlib import Path
@@ -160,8 +162,8 @@ class Settings(BaseSettings):
         dotenv_settings: PydanticBaseSettingsSource,
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
-        # Environment over explicit (file) values, as documented above.
-        return (env_settings, init_settings)
+        # Environment over explicit (file) values, as documented above; off while applying overrides.
+        return (env_settings, init_settings) if _READ_ENV.get() else (init_settings,)
 
     @model_validator(mode="after")
     def _check(self) -> "Settings":
@@ -192,6 +194,11 @@ class Settings(BaseSettings):
         return f"{self.bus.topic_prefix}{name}"
 
 
+_READ_ENV: contextvars.ContextVar[bool] = contextvars.ContextVar("flywheel_read_env", default=True)
+#: Environment variables with the FLYWHEEL_ prefix that are not settings.
+_NOT_SETTINGS = {"FLYWHEEL_CONFIG"}
+
+
 class SettingsError(Exception):
     """Settings could not be loaded; the message lists every problem at once."""
 
@@ -205,19 +212,30 @@ def load_settings(path: str | os.PathLike[str] | None = None, **overrides: Any) 
     path = path or os.environ.get("FLYWHEEL_CONFIG")
     if path:
         try:
-            file_values = tomllib.loads(Path(path).read_text())
-        except (OSError, tomllib.TOMLDecodeError) as exc:
+            text = Path(path).read_text()
+            file_values = json.loads(text) if str(path).endswith(".json") else tomllib.loads(text)
+        except (OSError, ValueError) as exc:
             raise SettingsError(f"cannot read settings file {path}: {exc}") from exc
+    problems = [
+        f"  {key}: not a flywheel setting (top-level keys: {', '.join(sorted(Settings.model_fields))})"
+        for key in sorted(os.environ)
+        if key.startswith("FLYWHEEL_") and key not in _NOT_SETTINGS
+        and key[len("FLYWHEEL_"):].split("__")[0].lower() not in Settings.model_fields
+    ]
+    settings = None
     try:
         settings = Settings(**file_values)
         if overrides:
-            merged = _deep_merge(settings.model_dump(), overrides)
-            settings = Settings.model_validate(merged)
+            token = _READ_ENV.set(False)
+            try:
+                settings = Settings(**_deep_merge(settings.model_dump(), overrides))
+            finally:
+                _READ_ENV.reset(token)
     except ValidationError as exc:
-        problems = "\n".join(
-            f"  {'.'.join(str(p) for p in err['loc']) or '(root)'}: {err['msg']}" for err in exc.errors()
-        )
-        raise SettingsError(f"{exc.error_count()} invalid setting(s):\n{problems}") from None
+        problems += [f"  {'.'.join(str(p) for p in err['loc']) or '(root)'}: {err['msg']}" for err in exc.errors()]
+    if problems:
+        raise SettingsError(f"{len(problems)} invalid setting(s):\n" + "\n".join(problems))
+    assert settings is not None
     return settings
 
 

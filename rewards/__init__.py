@@ -1,0 +1,1 @@
+"""rewards: pure reward builders (``builders``) and the worker that applies them (``rewards.worker:run``)."""

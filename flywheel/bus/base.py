@@ -8,6 +8,13 @@ Semantics both backends guarantee, checked by one conformance suite (tests/integ
 - ``commit`` is called by the application only after a record is durably processed.
 - ``dead_letter`` writes the raw record to ``<topic>.dlq`` with the reason and its origin, so a bad
   record never blocks its good neighbours.
+- The partition of a key is ``murmur2(utf-8 key) & 0x7fffffff % partitions``, Kafka's default
+  partitioner, so one key lands on the same partition number on either backend.
+- Within a group a partition is owned by at most one live consumer; ownership moves only inside
+  ``poll`` (the application has committed what it processed by then). A ``commit`` for a partition
+  this consumer no longer owns is skipped with a warning: those records are redelivered to the new
+  owner, which is the at-least-once contract, never a loss.
+- A ``Consumer`` belongs to one thread; a ``Producer`` too.
 """
 
 from __future__ import annotations
@@ -43,7 +50,12 @@ class Consumer(Protocol):
         """Mark ``records`` (and everything before them on their partitions) processed."""
 
     def dead_letter(self, record: Record, reason: str) -> None:
-        """Route an unprocessable record to ``<topic>.dlq`` with ``reason``; the caller still commits it."""
+        """Route an unprocessable record to ``<topic>.dlq`` with ``reason``; the caller still commits it.
+
+        Durable when this returns (the caller commits the record right after)."""
+
+    def assignment(self) -> set[tuple[str, int]]:
+        """The ``(topic, partition)`` pairs this consumer owns right now (changes only in ``poll``)."""
 
     def close(self) -> None: ...
 
@@ -58,5 +70,58 @@ class Bus(Protocol):
     def close(self) -> None: ...
 
 
+class BusError(Exception):
+    """A backend failure the caller should not paper over (broker error, corrupt log)."""
+
+
 def dlq_topic(topic: str) -> str:
     return f"{topic}.dlq"
+
+
+#: Headers added by ``dead_letter`` (the record's own headers are kept beside them).
+DLQ_REASON = "dlq.reason"
+DLQ_ORIGIN_TOPIC = "dlq.origin_topic"
+DLQ_ORIGIN_PARTITION = "dlq.origin_partition"
+DLQ_ORIGIN_OFFSET = "dlq.origin_offset"
+
+
+def dead_letter_headers(record: Record, reason: str) -> dict[str, str]:
+    """The headers of ``record``'s dead letter: its own headers plus reason and origin."""
+    return {
+        **record.headers,
+        DLQ_REASON: reason,
+        DLQ_ORIGIN_TOPIC: record.topic,
+        DLQ_ORIGIN_PARTITION: str(record.partition),
+        DLQ_ORIGIN_OFFSET: str(record.offset),
+    }
+
+
+def murmur2(data: bytes) -> int:
+    """Kafka's murmur2 (``org.apache.kafka.common.utils.Utils.murmur2``), unsigned 32-bit result."""
+    m = 0x5BD1E995
+    length = len(data)
+    h = (0x9747B28C ^ length) & 0xFFFFFFFF
+    whole = length - length % 4
+    for i in range(0, whole, 4):
+        k = int.from_bytes(data[i : i + 4], "little")
+        k = (k * m) & 0xFFFFFFFF
+        k ^= k >> 24
+        k = (k * m) & 0xFFFFFFFF
+        h = ((h * m) & 0xFFFFFFFF) ^ k
+    tail = length % 4
+    if tail >= 3:
+        h ^= data[whole + 2] << 16
+    if tail >= 2:
+        h ^= data[whole + 1] << 8
+    if tail >= 1:
+        h ^= data[whole]
+        h = (h * m) & 0xFFFFFFFF
+    h ^= h >> 13
+    h = (h * m) & 0xFFFFFFFF
+    h ^= h >> 15
+    return h
+
+
+def partition_for_key(key: str, partitions: int) -> int:
+    """Kafka's default partitioner for a non-null key: ``murmur2(key) & 0x7fffffff % partitions``."""
+    return (murmur2(key.encode("utf-8")) & 0x7FFFFFFF) % partitions

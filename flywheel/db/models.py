@@ -5,19 +5,69 @@ Invariants:
   so replaying a topic never duplicates a row.
 - The full event is kept as JSON in ``payload`` so every trajectory and score can be rebuilt from
   raw events; the other columns are for filtering and joins.
-- Rows are portable between PostgreSQL (production) and SQLite (embedded).
+- Rows are portable between PostgreSQL (production) and SQLite (embedded). Timestamps are stored in
+  UTC and always read back timezone-aware (SQLite keeps no zone, so :class:`UTCDateTime` restores it).
+- Every constraint and index has a deterministic name (``NAMING_CONVENTION``), so later migrations can
+  drop or alter them on both databases (SQLite batch mode needs the names).
 """
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import datetime, timezone
+from typing import Any
 
-from sqlalchemy import JSON, BigInteger, DateTime, Float, Index, Integer, String, Text, UniqueConstraint
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    DateTime,
+    Dialect,
+    Float,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Text,
+    TypeDecorator,
+    UniqueConstraint,
+)
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+NAMING_CONVENTION = {
+    "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+
+class UTCDateTime(TypeDecorator[datetime]):
+    """``TIMESTAMP WITH TIME ZONE``: writes aware datetimes as UTC, reads them back aware (UTC).
+
+    Naive datetimes are rejected on write: a zone-less timestamp is a bug waiting for a server move.
+    """
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None or value.utcoffset() is None:
+            raise ValueError(f"naive datetime {value!r}: flywheel stores timezone-aware timestamps only")
+        return value.astimezone(timezone.utc)
+
+    def process_result_value(self, value: Any, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            return value.replace(tzinfo=timezone.utc)
+        return value.astimezone(timezone.utc)
 
 
 class Base(DeclarativeBase):
-    type_annotation_map = {datetime: DateTime(timezone=True), dict: JSON}
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+    type_annotation_map = {datetime: UTCDateTime(), dict: JSON}
 
 
 class Generation(Base):

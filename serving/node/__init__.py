@@ -1,0 +1,1 @@
+"""The built-in serving node: engine (model + batching + hot swap), updater (registry -> engine), app, entry point."""

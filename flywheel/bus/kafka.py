@@ -1,0 +1,243 @@
+"""The production bus: Apache Kafka (or any Kafka-protocol broker) through kafka-python 3.x.
+
+Semantics, matching ``flywheel.bus.base``:
+
+- Producer: idempotent (``enable_idempotence=True``), ``acks="all"``, compression from settings.
+  ``send`` only enqueues (it returns before the broker has the record); ``flush`` blocks until every
+  record sent so far is acknowledged by all in-sync replicas and raises :class:`BusError` if any of
+  them failed. A record is durable when ``flush`` returns without raising. A failure that is
+  already known when ``send`` is called is raised by that ``send`` too, so errors are never lost
+  by a caller that forgets to flush. Keys are UTF-8 bytes, so Kafka's default partitioner (murmur2)
+  places a key on the same partition number as the local log does.
+- Consumer: ``enable_auto_commit=False``, ``auto_offset_reset="earliest"``; ``commit`` commits
+  ``last offset + 1`` per partition synchronously. Partitions this consumer no longer owns after
+  a rebalance are skipped with a warning, and a commit the group coordinator rejects because a
+  rebalance is under way is logged the same way: those records are redelivered to the new owner
+  (at-least-once), never lost.
+- ``dead_letter`` produces the raw record to ``<topic>.dlq`` (created on first use) and waits
+  for the acknowledgement before returning.
+- ``ensure_topics`` creates missing topics with the bus's partition count; existing topics are
+  left as they are.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Sequence
+
+from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
+from kafka.admin import NewTopic
+from kafka.future import Future
+from kafka.errors import (
+    CommitFailedError,
+    KafkaError,
+    KafkaTimeoutError,
+    RebalanceInProgressError,
+    TopicAlreadyExistsError,
+)
+from kafka.structs import OffsetAndMetadata
+
+from flywheel.bus.base import BusError, Record, dead_letter_headers, dlq_topic
+
+log = logging.getLogger(__name__)
+
+
+def _decode(raw: bytes | None) -> str | None:
+    return None if raw is None else raw.decode("utf-8", errors="replace")
+
+
+class KafkaBus:
+    def __init__(
+        self,
+        bootstrap_servers: str,
+        partitions: int = 4,
+        *,
+        session_timeout_ms: int = 10_000,
+        heartbeat_interval_ms: int = 1_000,
+        max_poll_interval_ms: int = 300_000,
+        compression: str = "gzip",
+        replication_factor: int = 1,
+        client_id: str = "flywheel",
+    ) -> None:
+        self.bootstrap_servers = bootstrap_servers
+        self.partitions = partitions
+        self.session_timeout_ms = session_timeout_ms
+        self.heartbeat_interval_ms = heartbeat_interval_ms
+        self.max_poll_interval_ms = max_poll_interval_ms
+        self.compression = None if compression == "none" else compression
+        self.replication_factor = replication_factor
+        self.client_id = client_id
+        self._admin: KafkaAdminClient | None = None
+        self._known_topics: set[str] = set()
+
+    def _admin_client(self) -> KafkaAdminClient:
+        if self._admin is None:
+            self._admin = KafkaAdminClient(bootstrap_servers=self.bootstrap_servers, client_id=f"{self.client_id}-admin")
+        return self._admin
+
+    def ensure_topics(self, topics: Sequence[str]) -> None:
+        admin = self._admin_client()
+        for topic in topics:
+            if topic in self._known_topics:
+                continue
+            try:
+                admin.create_topics([NewTopic(topic, self.partitions, self.replication_factor)])
+            except TopicAlreadyExistsError:
+                pass  # the goal state: it exists (with whatever count it was created with)
+            self._known_topics.add(topic)
+
+    def producer(self) -> "KafkaBusProducer":
+        return KafkaBusProducer(
+            KafkaProducer(
+                bootstrap_servers=self.bootstrap_servers,
+                client_id=f"{self.client_id}-producer",
+                enable_idempotence=True,
+                acks="all",
+                compression_type=self.compression,
+            )
+        )
+
+    def consumer(self, group: str, topics: Sequence[str], client_id: str | None = None) -> "KafkaBusConsumer":
+        if not topics:
+            raise ValueError("subscribe to at least one topic")
+        consumer = KafkaConsumer(
+            *topics,
+            bootstrap_servers=self.bootstrap_servers,
+            client_id=client_id or f"{self.client_id}-{group}",
+            group_id=group,
+            enable_auto_commit=False,
+            auto_offset_reset="earliest",
+            session_timeout_ms=self.session_timeout_ms,
+            heartbeat_interval_ms=self.heartbeat_interval_ms,
+            max_poll_interval_ms=self.max_poll_interval_ms,
+        )
+        return KafkaBusConsumer(self, consumer)
+
+    def close(self) -> None:
+        if self._admin is not None:
+            self._admin.close()
+            self._admin = None
+
+
+class KafkaBusProducer:
+    """``send`` enqueues; ``flush`` waits for every acknowledgement (see the module docstring)."""
+
+    def __init__(self, producer: KafkaProducer) -> None:
+        self._producer = producer
+        self._pending: list[Future] = []
+
+    def send(self, topic: str, key: str | None, value: bytes, headers: dict[str, str] | None = None) -> None:
+        self._raise_failures(done_only=True)
+        try:
+            future = self._producer.send(
+                topic,
+                key=None if key is None else key.encode("utf-8"),
+                value=bytes(value),
+                headers=[(k, v.encode("utf-8")) for k, v in (headers or {}).items()],
+            )
+        except KafkaError as exc:
+            raise BusError(f"cannot send to {topic}: {exc}") from exc
+        self._pending.append(future)
+
+    def flush(self, timeout_s: float | None = None) -> None:
+        try:
+            self._producer.flush(timeout=timeout_s)
+        except KafkaError as exc:
+            raise BusError(f"flush did not complete: {exc}") from exc
+        self._raise_failures(done_only=False)
+
+    def _raise_failures(self, *, done_only: bool) -> None:
+        failures = []
+        still = []
+        for future in self._pending:
+            if not future.is_done:
+                still.append(future)
+            elif future.failed():
+                failures.append(future.exception)
+        if not done_only and still:
+            failures.append(BusError(f"{len(still)} record(s) not acknowledged"))
+            still = []
+        self._pending = still
+        if failures:
+            raise BusError(f"{len(failures)} record(s) failed: {failures[0]!r}") from failures[0]
+
+    def close(self, timeout_s: float | None = None) -> None:
+        """Flush (raising :class:`BusError` if records failed or ``timeout_s`` passed), then close.
+
+        Records still unacknowledged after a failed flush are abandoned: the sender is
+        force-closed rather than left retrying in the background.
+        """
+        flushed = False
+        try:
+            self.flush(timeout_s)
+            flushed = True
+        finally:
+            if flushed:
+                self._producer.close()
+            else:
+                self._abandon()
+
+    def _abandon(self) -> None:
+        log.warning("closing a Kafka producer after a failed flush; unacknowledged records are abandoned")
+        self._pending = []
+        try:
+            self._producer.close(timeout=0)
+        except KafkaTimeoutError:
+            # kafka-python's close(0) flushes first and raises while records are pending, before
+            # it force-closes the sender thread; finish its job so the thread does not linger.
+            self._producer._sender.force_close()
+
+
+class KafkaBusConsumer:
+    def __init__(self, bus: KafkaBus, consumer: KafkaConsumer) -> None:
+        self._bus = bus
+        self._consumer = consumer
+        self._dlq: KafkaBusProducer | None = None
+
+    def assignment(self) -> set[tuple[str, int]]:
+        return {(tp.topic, tp.partition) for tp in self._consumer.assignment()}
+
+    def poll(self, timeout_s: float = 1.0, max_records: int = 500) -> list[Record]:
+        batches = self._consumer.poll(timeout_ms=int(timeout_s * 1000), max_records=max_records)
+        out = []
+        for tp in sorted(batches, key=lambda t: (t.topic, t.partition)):
+            for msg in batches[tp]:
+                headers = {k: _decode(v) or "" for k, v in (msg.headers or [])}
+                out.append(Record(msg.topic, msg.partition, msg.offset, _decode(msg.key), msg.value, headers))
+        return out
+
+    def commit(self, records: Sequence[Record]) -> None:
+        last: dict[TopicPartition, int] = {}
+        for record in records:
+            tp = TopicPartition(record.topic, record.partition)
+            last[tp] = max(last.get(tp, -1), record.offset)
+        if not last:
+            return
+        owned = self._consumer.assignment()
+        offsets = {}
+        for tp, offset in last.items():
+            if tp in owned:
+                offsets[tp] = OffsetAndMetadata(offset + 1, "", -1)
+            else:
+                log.warning("not committing %s offset %d: partition no longer owned (redelivered)", tp, offset)
+        if not offsets:
+            return
+        try:
+            self._consumer.commit(offsets)
+        except (CommitFailedError, RebalanceInProgressError) as exc:
+            log.warning("commit rejected by the group (%s); these records will be redelivered", exc)
+
+    def dead_letter(self, record: Record, reason: str) -> None:
+        topic = dlq_topic(record.topic)
+        self._bus.ensure_topics([topic])
+        if self._dlq is None:
+            self._dlq = self._bus.producer()
+        self._dlq.send(topic, record.key, record.value, dead_letter_headers(record, reason))
+        self._dlq.flush()
+
+    def close(self) -> None:
+        try:
+            if self._dlq is not None:
+                self._dlq.close()
+        finally:
+            self._consumer.close(autocommit=False)

@@ -1,0 +1,649 @@
+"""The embedded bus: a durable, append-only log on the local file system, shared by processes.
+
+Layout under the bus directory (``settings.bus_log_path``)::
+
+    topics/<topic>/meta.json            {"partitions": N}, created once, atomically (link)
+    topics/<topic>/<p>.log              the partition: a sequence of frames, offsets 0, 1, 2, ...
+    groups/<group>/members/<id>.member  one per live consumer; alive while its flock is held
+    groups/<group>/<topic>/<p>.owner    flock held by the one consumer that owns the partition
+    groups/<group>/<topic>/<p>.offset   committed {"offset", "position"}, replaced atomically
+
+Frame: ``length u32 | crc32 u32 | payload`` (big endian), ``crc32 = crc32(length bytes + payload)``;
+payload = ``version u8 | offset u64 | timestamp_ms i64 | key_len i32 (-1: none) | key |
+headers_len u32 | headers (JSON object) | value``. The offset inside the frame must equal the
+frame's index in the file, so a frame from the wrong place is caught too.
+
+Invariants and semantics:
+
+- Appends are serialised across processes by an exclusive ``flock`` on the log file and are one
+  ``write`` each. ``Producer.send`` returns after the frame is written *and* ``fsync``-ed: a record
+  is durable (survives a process or machine crash) when ``send`` returns; ``flush`` has nothing
+  left to do. A reader sees a record as soon as it is written.
+- A crash mid-append leaves a torn tail: an incomplete frame, or a complete one that fails its
+  checks and reaches the end of the file (or is followed only by zero bytes). Readers stop before
+  it and wait; the next writer, holding the lock, truncates it before appending. A bad frame with
+  good data after it cannot come from a crash: reading it raises :class:`CorruptLogError`.
+- Partition of a key: Kafka's default partitioner (``base.partition_for_key``).
+- Consumer groups: a consumer holds a member file lock; the live members (sorted by join time)
+  split the ``(topic, partition)`` pairs round robin; a consumer reads a partition only while it
+  holds that partition's owner lock, so no two consumers of a group read one partition at once,
+  even when their views of the membership briefly differ. Ownership is re-evaluated only inside
+  ``poll`` (at most every ``REBALANCE_INTERVAL_S``); a crashed process loses its locks at once.
+  Members of one group are expected to subscribe to the same topics.
+- ``commit`` writes ``offset = last + 1`` and the byte position after that record to a temporary
+  file, ``fsync``s it, ``os.replace``s it into place and ``fsync``s the directory: durable when
+  ``commit`` returns. A new owner starts at the committed offset (seeking straight to the stored
+  position after checking the frame there; scanning once if the check fails), or at offset 0.
+- Topics are created on first ``send`` or by ``ensure_topics`` with the bus's partition count;
+  an existing topic keeps the count it was created with.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import itertools
+import json
+import logging
+import os
+import re
+import struct
+import time
+import uuid
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+from flywheel.bus.base import BusError, Record, dead_letter_headers, dlq_topic, partition_for_key
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+_HEADER = struct.Struct(">II")  # length, crc32
+_FIXED = struct.Struct(">BQqi")  # version, offset, timestamp_ms, key_len
+_U32 = struct.Struct(">I")
+#: Smallest payload: fixed part + headers_len (empty key, headers and value still need these).
+MIN_PAYLOAD = _FIXED.size + _U32.size
+MAX_PAYLOAD = 256 * 1024 * 1024
+_READ_CHUNK = 256 * 1024
+#: How often a consumer looks at the group membership (inside ``poll``).
+REBALANCE_INTERVAL_S = 0.2
+#: Sleep between looks for new data while ``poll`` waits.
+POLL_INTERVAL_S = 0.02
+_NAME = re.compile(r"^[A-Za-z0-9._-]{1,249}$")
+#: Uncommitted record end positions remembered per partition (older ones fall back to a scan).
+_MAX_TRACKED = 100_000
+
+
+class CorruptLogError(BusError):
+    """A frame in the middle of a partition log fails its checks: not a torn tail, real damage."""
+
+
+def _check_name(kind: str, name: str) -> str:
+    if not _NAME.match(name) or name in (".", ".."):
+        raise ValueError(f"invalid {kind} name {name!r}: use 1-249 of [A-Za-z0-9._-]")
+    return name
+
+
+# Frames (pure) ----------------------------------------------------------------------------------
+
+
+def encode_frame(
+    offset: int, key: str | None, value: bytes, headers: dict[str, str], timestamp_ms: int
+) -> bytes:
+    key_bytes = b"" if key is None else key.encode("utf-8")
+    header_bytes = json.dumps(headers, separators=(",", ":"), sort_keys=True).encode("utf-8")
+    payload = b"".join(
+        (
+            _FIXED.pack(FORMAT_VERSION, offset, timestamp_ms, -1 if key is None else len(key_bytes)),
+            key_bytes,
+            _U32.pack(len(header_bytes)),
+            header_bytes,
+            value,
+        )
+    )
+    if len(payload) > MAX_PAYLOAD:
+        raise ValueError(f"record of {len(payload)} bytes exceeds the {MAX_PAYLOAD} byte limit")
+    length = _U32.pack(len(payload))
+    return length + _U32.pack(zlib.crc32(length + payload)) + payload
+
+
+@dataclass(frozen=True)
+class _Decoded:
+    offset: int
+    timestamp_ms: int
+    key: str | None
+    headers: dict[str, str]
+    value: bytes
+
+
+def _decode_payload(payload: bytes) -> _Decoded:
+    version, offset, ts, key_len = _FIXED.unpack_from(payload, 0)
+    if version != FORMAT_VERSION:
+        raise ValueError(f"unknown frame version {version}")
+    at = _FIXED.size
+    key: str | None = None
+    if key_len >= 0:
+        key = payload[at : at + key_len].decode("utf-8")
+        at += key_len
+    elif key_len != -1:
+        raise ValueError("negative key length")
+    (headers_len,) = _U32.unpack_from(payload, at)
+    at += _U32.size
+    headers = json.loads(payload[at : at + headers_len])
+    if not isinstance(headers, dict):
+        raise ValueError("headers are not an object")
+    at += headers_len
+    if at > len(payload):
+        raise ValueError("frame fields overrun the payload")
+    return _Decoded(offset, ts, key, headers, payload[at:])
+
+
+@dataclass
+class _Scan:
+    """What one pass over a partition file found, from ``start`` onwards."""
+
+    frames: list[tuple[_Decoded, int]]  # (record, file position after it)
+    position: int  # after the last good frame returned
+    next_offset: int
+    torn: bool  # bytes after ``position`` that are not (yet) a good frame
+
+
+def _is_zero_tail(fd: int, pos: int, size: int) -> bool:
+    while pos < size:
+        chunk = os.pread(fd, min(_READ_CHUNK, size - pos), pos)
+        if not chunk or chunk.count(0) != len(chunk):
+            return False
+        pos += len(chunk)
+    return True
+
+
+def scan(fd: int, position: int, next_offset: int, *, max_records: int | None, path: str) -> _Scan:
+    """Read good frames from ``position`` (whose offset must be ``next_offset``) up to EOF.
+
+    Stops early after ``max_records``. A torn tail sets ``torn``; damage followed by more data
+    raises :class:`CorruptLogError`.
+    """
+    size = os.fstat(fd).st_size
+    frames: list[tuple[_Decoded, int]] = []
+    buf = b""
+    buf_at = position  # file position of buf[0]
+    pos = position
+    while pos < size and (max_records is None or len(frames) < max_records):
+        if pos + _HEADER.size > buf_at + len(buf):
+            buf = os.pread(fd, min(_READ_CHUNK, size - pos), pos)
+            buf_at = pos
+        if len(buf) - (pos - buf_at) < _HEADER.size:
+            return _Scan(frames, pos, next_offset, torn=True)  # partial header
+        length, crc = _HEADER.unpack_from(buf, pos - buf_at)
+        end = pos + _HEADER.size + length
+        if MIN_PAYLOAD <= length <= MAX_PAYLOAD and end > size:
+            return _Scan(frames, pos, next_offset, torn=True)  # incomplete frame
+        problem = ""
+        decoded = None
+        if not MIN_PAYLOAD <= length <= MAX_PAYLOAD:
+            problem = f"impossible frame length {length}"
+        else:
+            if end > buf_at + len(buf):
+                buf = os.pread(fd, max(_READ_CHUNK, end - pos), pos)
+                buf_at = pos
+            lo = pos - buf_at
+            frame = buf[lo : lo + _HEADER.size + length]
+            if zlib.crc32(frame[:4] + frame[_HEADER.size :]) != crc:
+                problem = "crc32 mismatch"
+            else:
+                try:
+                    decoded = _decode_payload(frame[_HEADER.size :])
+                except (ValueError, struct.error, UnicodeDecodeError) as exc:
+                    problem = f"undecodable frame ({exc})"
+                else:
+                    if decoded.offset != next_offset:
+                        problem = f"frame offset {decoded.offset}, expected {next_offset}"
+        if problem:
+            if end >= size or _is_zero_tail(fd, pos, size):
+                return _Scan(frames, pos, next_offset, torn=True)
+            raise CorruptLogError(f"{path}: {problem} at byte {pos} (offset {next_offset})")
+        assert decoded is not None
+        frames.append((decoded, end))
+        pos = end
+        next_offset += 1
+    return _Scan(frames, pos, next_offset, torn=False)
+
+
+# Small file helpers ------------------------------------------------------------------------------
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _try_lock(path: Path, *, create: bool = True) -> int | None:
+    """Open ``path`` (creating it if ``create``) and take an exclusive flock without waiting; None if held."""
+    fd = os.open(path, os.O_RDWR | (os.O_CREAT if create else 0), 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        os.close(fd)
+        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            return None
+        raise
+    return fd
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+# The bus -----------------------------------------------------------------------------------------
+
+
+class LocalLogBus:
+    """Factory for producers and consumers over one bus directory."""
+
+    def __init__(self, root: str | os.PathLike[str], partitions: int = 4) -> None:
+        if partitions < 1:
+            raise ValueError("partitions must be at least 1")
+        self.root = Path(root)
+        self.partitions = partitions
+        self._counts: dict[str, int] = {}
+        (self.root / "topics").mkdir(parents=True, exist_ok=True)
+        (self.root / "groups").mkdir(parents=True, exist_ok=True)
+
+    # topics
+    def topic_dir(self, topic: str) -> Path:
+        return self.root / "topics" / _check_name("topic", topic)
+
+    def partition_count(self, topic: str, *, create: bool) -> int | None:
+        """Partitions of ``topic``; creates the topic when ``create``; None if absent."""
+        if topic in self._counts:
+            return self._counts[topic]
+        meta = self.topic_dir(topic) / "meta.json"
+        if not meta.exists():
+            if not create:
+                return None
+            meta.parent.mkdir(parents=True, exist_ok=True)
+            tmp = meta.with_name(f".meta.{uuid.uuid4().hex}.tmp")
+            tmp.write_text(json.dumps({"partitions": self.partitions}))
+            fd = os.open(tmp, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            try:
+                os.link(tmp, meta)  # atomic create-if-absent: the first creator wins
+            except FileExistsError:
+                pass  # another process created it first; its count is the topic's count
+            finally:
+                tmp.unlink()
+            _fsync_dir(meta.parent)
+            _fsync_dir(meta.parent.parent)
+        count = int(json.loads(meta.read_text())["partitions"])
+        self._counts[topic] = count
+        return count
+
+    def ensure_topics(self, topics: Sequence[str]) -> None:
+        for topic in topics:
+            self.partition_count(topic, create=True)
+
+    def producer(self) -> "LocalLogProducer":
+        return LocalLogProducer(self)
+
+    def consumer(self, group: str, topics: Sequence[str], client_id: str | None = None) -> "LocalLogConsumer":
+        return LocalLogConsumer(self, group, topics, client_id=client_id)
+
+    def close(self) -> None:
+        """Nothing is held by the bus itself; producers and consumers close their own files."""
+
+
+class _Writer:
+    """Append end of one partition file, owned by one producer."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        created = not path.exists()
+        self.fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+        if created:
+            _fsync_dir(path.parent)
+        self.position = 0
+        self.next_offset = 0
+
+    def append(self, key: str | None, value: bytes, headers: dict[str, str]) -> int:
+        fcntl.flock(self.fd, fcntl.LOCK_EX)
+        try:
+            size = os.fstat(self.fd).st_size
+            if size < self.position:  # cannot happen unless the file was replaced: start over
+                self.position, self.next_offset = 0, 0
+            if size != self.position:
+                found = scan(self.fd, self.position, self.next_offset, max_records=None, path=str(self.path))
+                self.position, self.next_offset = found.position, found.next_offset
+                if found.torn:
+                    # We hold the append lock, so no writer is mid-append: this is a crashed one's tail.
+                    log.warning("truncating torn tail of %s at byte %d", self.path, self.position)
+                    os.ftruncate(self.fd, self.position)
+            offset = self.next_offset
+            frame = encode_frame(offset, key, value, headers, int(time.time() * 1000))
+            written = os.write(self.fd, frame)
+            if written != len(frame):
+                raise BusError(f"{self.path}: short write ({written} of {len(frame)} bytes)")
+            self.position += len(frame)
+            self.next_offset += 1
+        finally:
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+        os.fsync(self.fd)
+        return offset
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+class LocalLogProducer:
+    """``send`` is durable on return (written and fsync-ed); ``flush`` is a no-op."""
+
+    def __init__(self, bus: LocalLogBus) -> None:
+        self._bus = bus
+        self._writers: dict[tuple[str, int], _Writer] = {}
+        self._round_robin = itertools.count()
+        self._closed = False
+
+    def send(self, topic: str, key: str | None, value: bytes, headers: dict[str, str] | None = None) -> None:
+        if self._closed:
+            raise BusError("producer is closed")
+        if not isinstance(value, (bytes, bytearray, memoryview)):
+            raise TypeError("value must be bytes")
+        count = self._bus.partition_count(topic, create=True)
+        assert count is not None
+        partition = partition_for_key(key, count) if key is not None else next(self._round_robin) % count
+        writer = self._writers.get((topic, partition))
+        if writer is None:
+            writer = _Writer(self._bus.topic_dir(topic) / f"{partition}.log")
+            self._writers[(topic, partition)] = writer
+        writer.append(key, bytes(value), dict(headers or {}))
+
+    def flush(self, timeout_s: float | None = None) -> None:
+        """Every ``send`` already returned durable; nothing is buffered."""
+
+    def close(self, timeout_s: float | None = None) -> None:
+        for writer in self._writers.values():
+            writer.close()
+        self._writers.clear()
+        self._closed = True
+
+
+@dataclass
+class _Owned:
+    """One partition this consumer owns: its owner lock, read position and uncommitted ends."""
+
+    topic: str
+    partition: int
+    owner_fd: int
+    log_path: Path
+    offset_path: Path
+    log_fd: int | None = None
+    position: int = 0
+    next_offset: int = 0
+    seeked: bool = False
+    committed: tuple[int, int | None] = (0, 0)
+    ends_base: int = 0
+    ends: list[int] = field(default_factory=list)
+
+    def close(self) -> None:
+        if self.log_fd is not None:
+            os.close(self.log_fd)
+            self.log_fd = None
+        os.close(self.owner_fd)  # releases the owner lock
+
+
+class _Membership:
+    """This consumer's presence in a group: a member file whose flock is held while alive."""
+
+    def __init__(self, directory: Path, client_id: str | None) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        self.dir = directory
+        tag = re.sub(r"[^A-Za-z0-9_-]", "_", client_id or "c")[:40]
+        self.member_id = f"{time.time_ns():020d}-{tag}-{uuid.uuid4().hex[:8]}"
+        tmp = directory / f".tmp-{self.member_id}"
+        self.fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+        fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        # Renamed only once locked, so a member file without a held lock belongs to a dead member.
+        self.path = directory / f"{self.member_id}.member"
+        os.rename(tmp, self.path)
+
+    def live_members(self) -> list[str]:
+        live = []
+        for name in os.listdir(self.dir):
+            path = self.dir / name
+            if name.endswith(".member"):
+                member = name[: -len(".member")]
+                if member == self.member_id:
+                    live.append(member)
+                    continue
+                try:
+                    fd = _try_lock(path, create=False)
+                except FileNotFoundError:
+                    continue  # it just left
+                if fd is None:
+                    live.append(member)
+                    continue
+                try:
+                    path.unlink(missing_ok=True)  # its process is gone
+                finally:
+                    os.close(fd)
+            elif name.startswith(".tmp-") and time.time() - _mtime(path) > 60:
+                try:
+                    fd = _try_lock(path, create=False)
+                except FileNotFoundError:
+                    continue
+                if fd is not None:
+                    path.unlink(missing_ok=True)
+                    os.close(fd)
+        if self.member_id not in live:  # our file vanished (directory wiped): we are still a member
+            live.append(self.member_id)
+        return sorted(live)
+
+    def close(self) -> None:
+        self.path.unlink(missing_ok=True)
+        os.close(self.fd)
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except FileNotFoundError:
+        return time.time()
+
+
+class LocalLogConsumer:
+    """A group member reading the partitions it owns; see the module docstring for semantics."""
+
+    def __init__(self, bus: LocalLogBus, group: str, topics: Sequence[str], client_id: str | None = None) -> None:
+        if not topics:
+            raise ValueError("subscribe to at least one topic")
+        self._bus = bus
+        self.group = _check_name("group", group)
+        self.topics = [_check_name("topic", t) for t in topics]
+        self._group_dir = bus.root / "groups" / self.group
+        self._member = _Membership(self._group_dir / "members", client_id)
+        self._owned: dict[tuple[str, int], _Owned] = {}
+        self._next_rebalance = 0.0
+        self._rotation = 0
+        self._dlq: LocalLogProducer | None = None
+        self._closed = False
+
+    # ownership -------------------------------------------------------------------------------
+
+    def assignment(self) -> set[tuple[str, int]]:
+        return set(self._owned)
+
+    def _target(self) -> set[tuple[str, int]]:
+        pairs = []
+        for topic in self.topics:
+            count = self._bus.partition_count(topic, create=False)
+            pairs.extend((topic, p) for p in range(count or 0))
+        members = self._member.live_members()
+        me, n = members.index(self._member.member_id), len(members)
+        return {pair for i, pair in enumerate(sorted(pairs)) if i % n == me}
+
+    def _rebalance(self) -> None:
+        target = self._target()
+        for pair in sorted(set(self._owned) - target):
+            self._owned.pop(pair).close()
+            log.debug("group %s: %s released %s", self.group, self._member.member_id, pair)
+        for topic, partition in sorted(target - set(self._owned)):
+            state_dir = self._group_dir / topic
+            state_dir.mkdir(parents=True, exist_ok=True)
+            fd = _try_lock(state_dir / f"{partition}.owner")
+            if fd is None:
+                continue  # the previous owner has not let go yet; retry at the next rebalance
+            owned = _Owned(
+                topic,
+                partition,
+                fd,
+                self._bus.topic_dir(topic) / f"{partition}.log",
+                state_dir / f"{partition}.offset",
+            )
+            owned.committed = self._read_committed(owned.offset_path)
+            owned.next_offset = owned.ends_base = owned.committed[0]
+            self._owned[(topic, partition)] = owned
+            log.debug("group %s: %s acquired %s", self.group, self._member.member_id, (topic, partition))
+
+    @staticmethod
+    def _read_committed(path: Path) -> tuple[int, int | None]:
+        try:
+            data = json.loads(path.read_text())
+        except FileNotFoundError:
+            return (0, 0)
+        return int(data["offset"]), (None if data.get("position") is None else int(data["position"]))
+
+    def _open_log(self, owned: _Owned) -> bool:
+        """Open the partition file and seek to the committed offset; False if it does not exist yet."""
+        if owned.log_fd is None:
+            try:
+                owned.log_fd = os.open(owned.log_path, os.O_RDONLY)
+            except FileNotFoundError:
+                return False
+        if owned.seeked:
+            return True
+        offset, position = owned.committed
+        if offset == 0:
+            owned.position, owned.seeked = 0, True
+            return True
+        if position is not None and self._position_holds(owned.log_fd, position, offset, owned.log_path):
+            owned.position, owned.seeked = position, True
+            return True
+        # Scan once from the start to find the committed offset.
+        pos, nxt = 0, 0
+        while nxt < offset:
+            found = scan(owned.log_fd, pos, nxt, max_records=min(10_000, offset - nxt), path=str(owned.log_path))
+            if not found.frames:
+                break  # fewer records than the committed offset (yet): wait at the end
+            pos, nxt = found.position, found.next_offset
+        if nxt < offset:
+            return False
+        owned.position, owned.seeked = pos, True
+        return True
+
+    @staticmethod
+    def _position_holds(fd: int, position: int, offset: int, path: Path) -> bool:
+        size = os.fstat(fd).st_size
+        if position > size:
+            return False
+        if position == size:
+            return position > 0  # at the end; a later frame there must carry ``offset`` (checked on read)
+        found = scan(fd, position, offset, max_records=1, path=str(path))
+        return bool(found.frames) or found.torn
+
+    # the consumer API ------------------------------------------------------------------------
+
+    def poll(self, timeout_s: float = 1.0, max_records: int = 500) -> list[Record]:
+        if self._closed:
+            raise BusError("consumer is closed")
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if time.monotonic() >= self._next_rebalance:
+                self._rebalance()
+                self._next_rebalance = time.monotonic() + REBALANCE_INTERVAL_S
+            records = self._read(max_records)
+            remaining = deadline - time.monotonic()
+            if records or remaining <= 0:
+                return records
+            time.sleep(min(POLL_INTERVAL_S, remaining))
+
+    def _read(self, max_records: int) -> list[Record]:
+        out: list[Record] = []
+        owned = list(self._owned.values())
+        if not owned:
+            return out
+        self._rotation = (self._rotation + 1) % len(owned)
+        for state in owned[self._rotation :] + owned[: self._rotation]:
+            if len(out) >= max_records:
+                break
+            if not self._open_log(state):
+                continue
+            assert state.log_fd is not None
+            found = scan(
+                state.log_fd, state.position, state.next_offset, max_records=max_records - len(out), path=str(state.log_path)
+            )
+            for decoded, end in found.frames:
+                out.append(
+                    Record(state.topic, state.partition, decoded.offset, decoded.key, decoded.value, decoded.headers)
+                )
+                state.ends.append(end)
+            state.position, state.next_offset = found.position, found.next_offset
+            if len(state.ends) > _MAX_TRACKED:
+                drop = len(state.ends) // 2
+                del state.ends[:drop]
+                state.ends_base += drop
+        return out
+
+    def commit(self, records: Sequence[Record]) -> None:
+        last: dict[tuple[str, int], int] = {}
+        for record in records:
+            pair = (record.topic, record.partition)
+            last[pair] = max(last.get(pair, -1), record.offset)
+        for pair, offset in sorted(last.items()):
+            state = self._owned.get(pair)
+            if state is None:
+                log.warning(
+                    "group %s: not committing %s offset %d: partition no longer owned (redelivered to its owner)",
+                    self.group,
+                    pair,
+                    offset,
+                )
+                continue
+            index = offset - state.ends_base
+            position = None
+            if 0 <= index < len(state.ends):
+                position = state.ends[index]
+                del state.ends[: index + 1]
+                state.ends_base = offset + 1
+            _write_atomic(state.offset_path, json.dumps({"offset": offset + 1, "position": position}).encode())
+            state.committed = (offset + 1, position)
+
+    def dead_letter(self, record: Record, reason: str) -> None:
+        if self._dlq is None:
+            self._dlq = LocalLogProducer(self._bus)
+        self._dlq.send(dlq_topic(record.topic), record.key, record.value, dead_letter_headers(record, reason))
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for state in self._owned.values():
+            state.close()
+        self._owned.clear()
+        self._member.close()
+        if self._dlq is not None:
+            self._dlq.close()

@@ -1,0 +1,167 @@
+"""The ``flywheel`` console script: parse and validate settings first, then import the role.
+
+Every role is a thin entry point ``run(settings, stop)`` in its stage package. The CLI is the
+composition root, so it names those entry points by string and imports one only when asked: the
+shared kernel never imports a stage at module level, and torch is not imported before the
+settings are known to be valid.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import logging
+import signal
+import sys
+import threading
+from typing import Any, Callable
+
+from flywheel.settings import Settings, SettingsError, load_settings
+
+#: role -> "module:function" taking (settings, stop)
+ROLES: dict[str, str] = {
+    "gateway": "serving.gateway.main:run",
+    "node": "serving.node.main:run",
+    "rollout": "serving.rollout:run",
+    "ingest": "ingest.worker:run",
+    "rewards": "rewards.worker:run",
+    "trainer": "trainer.train:train",
+}
+
+ROLE_HELP = {
+    "gateway": "OpenAI-compatible gateway that captures generations and feedback",
+    "node": "built-in inference node (tiny model or any local HF model) with its weight updater",
+    "rollout": "rollout controller: promotes new versions on a schedule",
+    "ingest": "assemble sessions into trajectories, persist raw events",
+    "rewards": "score trajectories with the reward spec",
+    "trainer": "continuous async policy-gradient trainer that publishes versions",
+}
+
+
+def resolve(target: str) -> Callable[..., Any]:
+    module, _, func = target.partition(":")
+    return getattr(importlib.import_module(module), func)
+
+
+def stop_on_signals() -> threading.Event:
+    """An event set by SIGTERM/SIGINT, so every role shuts down the same way."""
+    stop = threading.Event()
+
+    def _handler(signum: int, _frame: Any) -> None:
+        logging.getLogger("flywheel").info("received signal %s, stopping", signum)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, _handler)
+    signal.signal(signal.SIGINT, _handler)
+    return stop
+
+
+def _overrides(args: argparse.Namespace) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if getattr(args, "data_dir", None):
+        out["data_dir"] = args.data_dir
+    role = getattr(args, "command", None)
+    if getattr(args, "port", None) is not None and role in ("gateway", "node", "up"):
+        out.setdefault("gateway" if role in ("gateway", "up") else "node", {})["port"] = args.port
+    if getattr(args, "upstream", None):
+        out.setdefault("gateway", {})["upstream"] = args.upstream
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="flywheel", description="RL from live product feedback.")
+    parser.add_argument("--config", help="settings file (TOML or JSON); also FLYWHEEL_CONFIG")
+    parser.add_argument("--data-dir", help="where embedded state lives (default .flywheel)")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    sub.add_parser("schema", help="print the JSON Schemas of the wire contracts")
+    sub.add_parser("settings", help="print the effective settings as JSON")
+    db = sub.add_parser("db", help="database administration")
+    db.add_argument("action", choices=["upgrade"])
+
+    for role, helptext in ROLE_HELP.items():
+        p = sub.add_parser(role, help=helptext)
+        if role in ("gateway", "node"):
+            p.add_argument("--port", type=int)
+        if role == "gateway":
+            p.add_argument("--upstream", help="OpenAI-compatible base URL to front (default: the local node)")
+
+    up = sub.add_parser("up", help="run every role on this machine (embedded defaults)")
+    up.add_argument("--port", type=int, help="gateway port (default 8000)")
+
+    demo = sub.add_parser("demo", help="`up` plus simulated users; prints progress and a summary")
+    demo.add_argument("--quick", action="store_true", help="a short run (< 5 minutes)")
+    demo.add_argument("--minutes", type=float, help="length of the simulated traffic")
+    demo.add_argument("--lr", type=float, help="trainer learning rate (0 gives the control run)")
+    demo.add_argument("--users", type=int, help="concurrent simulated users")
+    demo.add_argument("--json", dest="json_path", help="write the summary JSON here")
+    demo.add_argument("--plot", dest="plot_path", help="write the reward-over-time PNG here")
+    demo.add_argument("--port", type=int, help="gateway port (default: a free one)")
+    demo.add_argument("--seed", type=int, default=0)
+
+    model = sub.add_parser("model", help="the built-in tiny model")
+    model.add_argument("action", choices=["build"])
+    model.add_argument("--quick", action="store_true")
+
+    from flywheel.weights.cli import add_weights_commands
+
+    add_weights_commands(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        settings = load_settings(args.config, **_overrides(args))
+    except SettingsError as exc:
+        print(f"flywheel: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+    )
+    return dispatch(args, settings)
+
+
+def dispatch(args: argparse.Namespace, settings: Settings) -> int:
+    command = args.command
+    if command == "schema":
+        from flywheel.events import schemas_json
+
+        print(schemas_json())
+        return 0
+    if command == "settings":
+        print(json.dumps(settings.model_dump(mode="json"), indent=2))
+        return 0
+    if command == "db":
+        from flywheel.db.session import upgrade, wait_for_db
+
+        wait_for_db(settings.database_url, settings.db.wait_s)
+        upgrade(settings.database_url)
+        print(f"database at head: {settings.database_url.split('@')[-1]}")
+        return 0
+    if command == "model":
+        from flywheel.tinymodel.build import ensure_default_model
+
+        print(ensure_default_model(settings.data_path / "models", quick=args.quick))
+        return 0
+    if command in ROLES:
+        resolve(ROLES[command])(settings, stop_on_signals())
+        return 0
+    if command == "up":
+        from flywheel.up import up
+
+        return up(settings, stop_on_signals())
+    if command == "demo":
+        from flywheel.demo import DemoOptions, run_demo
+
+        options = DemoOptions.from_args(args)
+        return run_demo(settings, options, stop_on_signals())
+    if command == "weights":
+        return args.weights_func(args)
+    raise AssertionError(f"unhandled command {command}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,359 @@
+"""``flywheel demo``: the whole loop on embedded defaults, with simulated users, measured.
+
+Runs ``up`` (every role in its own process) in a fresh run directory, drives it with simulated
+users over the real HTTP API, prints progress (versions shipped, delta size against the full
+checkpoint, reward trend), then checks what must hold and writes a summary (JSON and a PNG plot):
+
+- every generation a user received was persisted (captured == persisted),
+- every generation names the version that served it, and every shipped version was verified by
+  sha256 on the node,
+- the held-out success rate of the served model, before and after (held-out problems never reach
+  traffic, so never reach training).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import shutil
+import socket
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from flywheel.settings import Settings
+from flywheel.simusers import UserPool
+from flywheel.up import Stack, prepare
+
+log = logging.getLogger("flywheel.demo")
+
+
+@dataclass(frozen=True)
+class DemoOptions:
+    quick: bool = False
+    minutes: float | None = None
+    lr: float | None = None
+    users: int | None = None
+    json_path: str | None = None
+    plot_path: str | None = None
+    port: int | None = None
+    seed: int = 0
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "DemoOptions":
+        return cls(args.quick, args.minutes, args.lr, args.users, args.json_path, args.plot_path, args.port, args.seed)
+
+    @property
+    def traffic_minutes(self) -> float:
+        return self.minutes if self.minutes is not None else (2.5 if self.quick else 12.0)
+
+
+#: Settings the demo runs with, on top of the user's (fast schedules: seconds, not hours).
+DEMO_OVERRIDES: dict[str, Any] = {
+    "rollout": {"interval_s": 4.0},
+    "ingest": {"inactivity_timeout_s": 4.0},
+    "node": {"poll_s": 0.5},
+}
+HELDOUT_N = 300
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _demo_settings(settings: Settings, options: DemoOptions, run_dir: Path, model_path: Path) -> Settings:
+    from flywheel.settings import _deep_merge
+
+    merged = _deep_merge(settings.model_dump(), DEMO_OVERRIDES)
+    merged["data_dir"] = str(run_dir)
+    merged["model"]["path"] = str(model_path)
+    merged["gateway"]["port"] = options.port or free_port()
+    merged["gateway"]["upstream"] = ""
+    merged["node"]["port"] = free_port()
+    if options.lr is not None:
+        merged["trainer"]["lr"] = options.lr
+    return Settings.model_validate(merged)
+
+
+class NodeWatcher(threading.Thread):
+    """Polls the node's /health: which versions it went live with, and the sha256 it verified."""
+
+    def __init__(self, url: str, stop: threading.Event, t0: float):
+        super().__init__(name="node-watcher", daemon=True)
+        self.url, self.stop, self.t0 = url, stop, t0
+        self.seen: dict[int, dict[str, Any]] = {}
+
+    def run(self) -> None:
+        with httpx.Client(timeout=2.0) as client:
+            while not self.stop.wait(0.25):
+                try:
+                    health = client.get(self.url).json()
+                except (httpx.HTTPError, ValueError):
+                    continue
+                version = health.get("version")
+                if version is not None and version not in self.seen:
+                    self.seen[version] = {"sha256": health.get("sha256"), "t": time.monotonic() - self.t0}
+
+
+def _metric(text: str, name: str) -> float:
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name) and not line.startswith("#"):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def _evaluate_versions(settings: Settings, registry: Any, versions: list[int], seed: int) -> dict[int, float]:
+    """Held-out success rate of each version's weights, sampled at temperature 1 like the product."""
+    import torch
+
+    from flywheel.tinymodel.sampling import evaluate, load_model, load_state
+    from flywheel.tinymodel.task import heldout_problems
+
+    torch.set_num_threads(2)
+    model, tokenizer = load_model(settings.model.path)
+    problems = heldout_problems(HELDOUT_N)
+    out: dict[int, float] = {}
+    state: tuple[int, Any] | None = None
+    for version in sorted(set(versions)):
+        weights = registry.load(version, base=state)
+        load_state(model, weights)
+        state = (version, weights)
+        out[version] = evaluate(model, tokenizer, problems, seed=seed)
+    return out
+
+
+def run_demo(settings: Settings, options: DemoOptions, stop: threading.Event) -> int:
+    from flywheel.db.models import Generation, ScoredTrajectoryRow, Trajectory
+    from flywheel.db.session import make_engine, make_session_factory
+    from flywheel.tinymodel.build import ensure_default_model
+    from flywheel.weights.registry import Registry
+    from flywheel.weights.store import make_store
+    from sqlalchemy import func, select
+
+    t_start = time.monotonic()
+    base = settings.data_path
+    run_dir = base / ("demo-quick" if options.quick else "demo")
+    if run_dir.exists():
+        shutil.rmtree(run_dir)
+    if settings.model.path:
+        model_path = Path(settings.model.path)
+    else:
+        print(f"flywheel demo: building/loading the tiny model (cache {base / 'models'})", flush=True)
+        model_path = ensure_default_model(base / "models")
+    settings = prepare(_demo_settings(settings, options, run_dir, model_path))
+    engine = make_engine(settings.database_url)
+    sessions = make_session_factory(engine)
+    registry = Registry(sessions, make_store(settings), settings.model.line)
+
+    stack = Stack(settings)
+    stack.start()
+    users_stop = threading.Event()
+    watcher_stop = threading.Event()
+    try:
+        stack.wait_ready()
+        gateway = f"http://{settings.gateway.host}:{settings.gateway.port}"
+        watcher = NodeWatcher(f"http://{settings.node.host}:{settings.node.port}/health", watcher_stop, t_start)
+        watcher.start()
+        n_users = options.users or 8
+        pool = UserPool(gateway, settings.model.line, n_users, options.seed, max_tokens=settings.node.max_new_tokens)
+        minutes = options.traffic_minutes
+        print(
+            f"flywheel demo: stack up in {time.monotonic() - t_start:.0f}s; {n_users} simulated users for "
+            f"{minutes:g} min; trainer lr={settings.trainer.lr:g}; gateway {gateway}/v1",
+            flush=True,
+        )
+        pool.start(users_stop)
+        t_traffic = time.monotonic()
+        next_report = t_traffic + 10
+        while time.monotonic() - t_traffic < minutes * 60 and not stop.is_set():
+            time.sleep(0.5)
+            for role in stack.supervise_once():
+                print(f"  ! {role} crashed and was restarted (see {stack.log_dir / (role + '.log')})", flush=True)
+            if time.monotonic() >= next_report:
+                next_report += 10
+                _progress(pool, registry, watcher, time.monotonic() - t_traffic)
+        users_stop.set()
+        pool.join()
+        received = len(pool.stats.served)
+        captured, persisted = _drain(gateway, sessions, Generation, received)
+        with sessions() as s:
+            rows = s.execute(select(Generation.generation_id, Generation.model_version)).all()
+            trajectories = s.scalar(select(func.count()).select_from(Trajectory)) or 0
+            scored = s.execute(select(ScoredTrajectoryRow.ts, ScoredTrajectoryRow.total_reward, ScoredTrajectoryRow.payload)).all()
+    finally:
+        users_stop.set()
+        watcher_stop.set()
+        stack.stop()
+
+    versions = registry.versions()
+    by_version = {v.version: v for v in versions}
+    served_version = {s.generation_id: s.version for s in pool.stats.served}
+    persisted_version = dict(rows)
+    mismatched = sum(1 for g, v in served_version.items() if persisted_version.get(g) != v)
+    unregistered = sum(1 for v in persisted_version.values() if v not in by_version)
+    shipped = []
+    for version, seen in sorted(watcher.seen.items()):
+        info = by_version[version]
+        shipped.append(
+            {
+                "version": version,
+                "kind": info.kind,
+                "parent": info.parent,
+                "bytes": info.bytes,
+                "full_bytes": info.full_bytes,
+                "pct_of_full": round(100.0 * info.bytes / info.full_bytes, 3),
+                "fraction_changed": info.fraction_changed,
+                "sha256": info.sha256,
+                "verified_on_node": seen["sha256"] == info.sha256,
+                "live_at_s": round(seen["t"], 1),
+            }
+        )
+
+    print("flywheel demo: evaluating shipped versions on held-out problems", flush=True)
+    live_versions = [s["version"] for s in shipped]
+    eval_versions = _pick(live_versions, 8)
+    heldout = _evaluate_versions(settings, registry, eval_versions, options.seed)
+    served_success = _served_success_by_version(pool)
+    summary = {
+        "quick": options.quick,
+        "lr": settings.trainer.lr,
+        "traffic_minutes": options.traffic_minutes,
+        "users": n_users,
+        "sessions": pool.stats.sessions,
+        "responses_received": received,
+        "generations_captured": captured,
+        "generations_persisted": persisted,
+        "generations_version_mismatch": mismatched,
+        "generations_unregistered_version": unregistered,
+        "every_generation_names_its_version": mismatched == 0 and unregistered == 0 and persisted >= received,
+        "feedback_sent": pool.stats.feedback_sent,
+        "trajectories": trajectories,
+        "scored_trajectories": len(scored),
+        "client_errors": pool.stats.errors,
+        "versions_published": len(versions),
+        "versions_shipped": shipped,
+        "deltas_shipped": sum(1 for s in shipped if s["kind"] == "delta"),
+        "max_delta_pct_of_full": max((s["pct_of_full"] for s in shipped if s["kind"] == "delta"), default=None),
+        "all_shipped_verified": all(s["verified_on_node"] for s in shipped),
+        "heldout_n": HELDOUT_N,
+        "heldout_by_version": {str(k): v for k, v in heldout.items()},
+        "heldout_success_start": heldout[eval_versions[0]],
+        "heldout_success_end": heldout[eval_versions[-1]],
+        "served_success_by_version": served_success,
+        "wall_seconds": round(time.monotonic() - t_start, 1),
+    }
+    _print_summary(summary)
+    if options.json_path:
+        Path(options.json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(options.json_path).write_text(json.dumps(summary, indent=2))
+        print(f"summary written to {options.json_path}")
+    if options.plot_path:
+        _plot(options.plot_path, pool, shipped, heldout, scored)
+        print(f"plot written to {options.plot_path}")
+    return 0
+
+
+def _pick(versions: list[int], k: int) -> list[int]:
+    """The first and last versions and up to k-2 evenly spaced between them."""
+    if len(versions) <= k:
+        return versions
+    step = (len(versions) - 1) / (k - 1)
+    return sorted({versions[round(i * step)] for i in range(k)})
+
+
+def _drain(gateway: str, sessions: Any, generation_model: Any, received: int, timeout_s: float = 90.0) -> tuple[int, int]:
+    """Wait until ingest persisted every captured generation; return (captured, persisted)."""
+    from sqlalchemy import func, select
+
+    deadline = time.monotonic() + timeout_s
+    captured = persisted = 0
+    while time.monotonic() < deadline:
+        captured = int(_metric(httpx.get(f"{gateway}/metrics", timeout=5.0).text, "flywheel_generations_captured_total"))
+        with sessions() as s:
+            persisted = s.scalar(select(func.count()).select_from(generation_model)) or 0
+        if persisted >= captured and captured >= received:
+            break
+        time.sleep(1.0)
+    return captured, persisted
+
+
+def _served_success_by_version(pool: UserPool) -> dict[str, dict[str, float]]:
+    out: dict[str, list[bool]] = {}
+    for s in pool.stats.served:
+        if s.attempt == 0:
+            out.setdefault(str(s.version), []).append(s.correct)
+    return {v: {"first_answers": len(xs), "success": round(sum(xs) / len(xs), 4)} for v, xs in out.items()}
+
+
+def _progress(pool: UserPool, registry: Any, watcher: NodeWatcher, elapsed: float) -> None:
+    served = list(pool.stats.served)
+    recent = [s.correct for s in served if s.attempt == 0 and s.t >= served[-1].t - 30] if served else []
+    rate = sum(recent) / len(recent) if recent else float("nan")
+    latest = registry.latest()
+    live = max(watcher.seen) if watcher.seen else None
+    shipped = ""
+    if latest is not None:
+        shipped = f"latest v{latest.version} {latest.kind} {latest.bytes / 1024:.0f} KiB ({100 * latest.bytes / latest.full_bytes:.1f}% of full)"
+    print(
+        f"  t={elapsed:5.0f}s sessions={pool.stats.sessions:5d} answers={len(served):5d} "
+        f"first-answer success (30s)={rate:5.1%} node v{live} | {shipped}",
+        flush=True,
+    )
+
+
+def _print_summary(s: dict[str, Any]) -> None:
+    print("\nflywheel demo summary")
+    print(f"  wall time                 {s['wall_seconds']:.0f} s")
+    print(f"  sessions / answers        {s['sessions']} / {s['responses_received']}")
+    print(f"  generations captured      {s['generations_captured']}  persisted {s['generations_persisted']}")
+    print(f"  every generation names its version: {s['every_generation_names_its_version']}")
+    print(f"  versions published/shipped {s['versions_published']} / {len(s['versions_shipped'])} (deltas {s['deltas_shipped']})")
+    print("  version  kind   bytes      % of full  verified  held-out")
+    for v in s["versions_shipped"]:
+        h = s["heldout_by_version"].get(str(v["version"]))
+        print(
+            f"  v{v['version']:<7d} {v['kind']:<6s} {v['bytes']:<10d} {v['pct_of_full']:>8.2f}%  "
+            f"{str(v['verified_on_node']):<8s}  {'' if h is None else f'{h:.1%}'}"
+        )
+    print(f"  held-out success          {s['heldout_success_start']:.1%} -> {s['heldout_success_end']:.1%}")
+
+
+def _plot(path: str, pool: UserPool, shipped: list[dict[str, Any]], heldout: dict[int, float], scored: list[Any]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(10, 7), sharex=True)
+    served = [s for s in pool.stats.served if s.attempt == 0]
+    versions = sorted({s.version for s in served})
+    cmap = plt.get_cmap("viridis", max(2, len(versions)))
+    for i, v in enumerate(versions):
+        pts = [s for s in served if s.version == v]
+        window = max(1, len(pts) // 10)
+        xs = [pts[j].t for j in range(window - 1, len(pts))]
+        ys = [sum(p.correct for p in pts[j - window + 1 : j + 1]) / window for j in range(window - 1, len(pts))]
+        ax1.plot(xs, ys, color=cmap(i), label=f"v{v}" if len(versions) <= 12 else None)
+    ax1.set_ylabel("first-answer success (served)")
+    ax1.set_title("reward over time, per serving version")
+    if len(versions) <= 12:
+        ax1.legend(ncol=6, fontsize=7)
+    live_at = {s["version"]: s["live_at_s"] for s in shipped}
+    hx = [live_at[v] for v in sorted(heldout) if v in live_at]
+    hy = [heldout[v] for v in sorted(heldout) if v in live_at]
+    ax2.plot(hx, hy, "o-", label="held-out success of version (when it went live)")
+    ax2.set_xlabel("seconds since start")
+    ax2.set_ylabel("held-out success")
+    ax2.legend(fontsize=8)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

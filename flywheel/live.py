@@ -1,0 +1,200 @@
+"""Live state: small, expiring, shared facts (sticky routing, node heartbeats, version notices).
+
+Two backends behind one interface, chosen by ``settings.live.kind``: ``memory`` (one process,
+the embedded default) and ``redis`` (shared by every process and host).
+
+Invariants:
+- Values are strings; heartbeat payloads are JSON objects.
+- A key set with ``ttl_s`` is gone once ``ttl_s`` seconds have passed; without it, it stays.
+- ``set_if_absent`` is atomic: of several concurrent callers exactly one value wins and every
+  caller gets that winning value back (the sticky-session primitive).
+- ``heartbeats()`` returns only nodes whose last heartbeat has not yet expired.
+- Redis keys all start with ``settings.live.key_prefix``; nothing outside the prefix is touched.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from typing import Any, Protocol
+
+from flywheel.settings import Settings
+
+
+class LiveState(Protocol):
+    def get(self, key: str) -> str | None: ...
+
+    def set(self, key: str, value: str, ttl_s: float | None = None) -> None: ...
+
+    def set_if_absent(self, key: str, value: str, ttl_s: float | None = None) -> str:
+        """Store ``value`` unless ``key`` holds one; return the value stored now."""
+        ...
+
+    def delete(self, key: str) -> None: ...
+
+    def heartbeat(self, node_id: str, payload: dict[str, Any], ttl_s: float) -> None: ...
+
+    def heartbeats(self) -> dict[str, dict[str, Any]]: ...
+
+    def close(self) -> None: ...
+
+
+def make_live(settings: Settings) -> LiveState:
+    """The live-state backend named by ``settings.live.kind``."""
+    if settings.live.kind == "redis":
+        return RedisLive(settings.live.redis_url, settings.live.key_prefix)
+    return MemoryLive()
+
+
+def _check_ttl(ttl_s: float | None) -> None:
+    if ttl_s is not None and not ttl_s > 0:
+        raise ValueError(f"ttl_s must be positive, got {ttl_s!r}")
+
+
+class MemoryLive:
+    """In-process live state; thread-safe. Expired entries are dropped when next touched."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._values: dict[str, tuple[str, float | None]] = {}
+        self._beats: dict[str, tuple[dict[str, Any], float]] = {}
+
+    def _live_value(self, key: str, now: float) -> str | None:
+        entry = self._values.get(key)
+        if entry is None:
+            return None
+        value, expires = entry
+        if expires is not None and expires <= now:
+            del self._values[key]
+            return None
+        return value
+
+    def get(self, key: str) -> str | None:
+        with self._lock:
+            return self._live_value(key, time.monotonic())
+
+    def set(self, key: str, value: str, ttl_s: float | None = None) -> None:
+        _check_ttl(ttl_s)
+        now = time.monotonic()
+        with self._lock:
+            self._values[key] = (str(value), None if ttl_s is None else now + ttl_s)
+
+    def set_if_absent(self, key: str, value: str, ttl_s: float | None = None) -> str:
+        _check_ttl(ttl_s)
+        now = time.monotonic()
+        with self._lock:
+            current = self._live_value(key, now)
+            if current is not None:
+                return current
+            self._values[key] = (str(value), None if ttl_s is None else now + ttl_s)
+            return str(value)
+
+    def delete(self, key: str) -> None:
+        with self._lock:
+            self._values.pop(key, None)
+
+    def heartbeat(self, node_id: str, payload: dict[str, Any], ttl_s: float) -> None:
+        _check_ttl(ttl_s)
+        # Round-trip through JSON: same contract as Redis (JSON objects only, no shared mutable state).
+        snapshot = json.loads(json.dumps(payload))
+        with self._lock:
+            self._beats[node_id] = (snapshot, time.monotonic() + ttl_s)
+
+    def heartbeats(self) -> dict[str, dict[str, Any]]:
+        now = time.monotonic()
+        with self._lock:
+            for node_id in [n for n, (_, expires) in self._beats.items() if expires <= now]:
+                del self._beats[node_id]
+            return {node_id: json.loads(json.dumps(payload)) for node_id, (payload, _) in self._beats.items()}
+
+    def close(self) -> None:
+        pass
+
+
+# SET NX then GET, in one atomic step. ARGV[2] is the TTL in ms, or "0" for none.
+_SET_IF_ABSENT = """
+local ok
+if tonumber(ARGV[2]) > 0 then
+  ok = redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2])
+else
+  ok = redis.call('SET', KEYS[1], ARGV[1], 'NX')
+end
+if ok then return ARGV[1] end
+return redis.call('GET', KEYS[1])
+"""
+
+# Heartbeats: KEYS[1] a sorted set node -> expiry (ms, Redis server clock), KEYS[2] a hash node -> payload.
+_HEARTBEAT = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+redis.call('ZADD', KEYS[1], now + tonumber(ARGV[3]), ARGV[1])
+redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
+return now
+"""
+
+_HEARTBEATS = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local dead = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now)
+for i, node in ipairs(dead) do
+  redis.call('HDEL', KEYS[2], node)
+end
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+local out = {}
+local alive = redis.call('ZRANGE', KEYS[1], 0, -1)
+for i, node in ipairs(alive) do
+  out[#out + 1] = node
+  out[#out + 1] = redis.call('HGET', KEYS[2], node) or '{}'
+end
+return out
+"""
+
+
+def _ttl_ms(ttl_s: float) -> int:
+    return max(1, int(round(ttl_s * 1000)))
+
+
+class RedisLive:
+    """Live state in Redis, every key under ``prefix``; safe to share between threads."""
+
+    def __init__(self, url: str, prefix: str, *, socket_timeout_s: float = 5.0) -> None:
+        import redis
+
+        self.prefix = prefix
+        self._redis = redis.Redis.from_url(
+            url, decode_responses=True, socket_timeout=socket_timeout_s, socket_connect_timeout=socket_timeout_s
+        )
+        self._set_if_absent = self._redis.register_script(_SET_IF_ABSENT)
+        self._heartbeat = self._redis.register_script(_HEARTBEAT)
+        self._heartbeats = self._redis.register_script(_HEARTBEATS)
+        self._beat_keys = [f"{prefix}heartbeats:expiry", f"{prefix}heartbeats:payload"]
+
+    def _key(self, key: str) -> str:
+        return f"{self.prefix}kv:{key}"
+
+    def get(self, key: str) -> str | None:
+        return self._redis.get(self._key(key))
+
+    def set(self, key: str, value: str, ttl_s: float | None = None) -> None:
+        _check_ttl(ttl_s)
+        self._redis.set(self._key(key), str(value), px=None if ttl_s is None else _ttl_ms(ttl_s))
+
+    def set_if_absent(self, key: str, value: str, ttl_s: float | None = None) -> str:
+        _check_ttl(ttl_s)
+        ttl = 0 if ttl_s is None else _ttl_ms(ttl_s)
+        return self._set_if_absent(keys=[self._key(key)], args=[str(value), ttl])
+
+    def delete(self, key: str) -> None:
+        self._redis.delete(self._key(key))
+
+    def heartbeat(self, node_id: str, payload: dict[str, Any], ttl_s: float) -> None:
+        _check_ttl(ttl_s)
+        self._heartbeat(keys=self._beat_keys, args=[node_id, json.dumps(payload), _ttl_ms(ttl_s)])
+
+    def heartbeats(self) -> dict[str, dict[str, Any]]:
+        flat = self._heartbeats(keys=self._beat_keys)
+        return {flat[i]: json.loads(flat[i + 1]) for i in range(0, len(flat), 2)}
+
+    def close(self) -> None:
+        self._redis.close()

@@ -1,0 +1,187 @@
+"""Loading, sampling and weight exchange for a small causal LM (the tiny model or any local HF one).
+
+- :func:`load_model` reads a local Hugging Face directory; weights are bf16 values, computed in
+  fp32, in eval mode. Thread counts are left to the caller.
+- :func:`generate` samples a batch (left padding, attention mask, KV cache) and returns, per
+  prompt, the sampled token ids and the log-probability of each under the distribution it was
+  drawn from (after temperature and top-p), which is what importance-sampling corrections need.
+  Generation stops after ``eos_token_id`` (included) or ``max_new_tokens``. ``temperature <= 0``
+  means greedy decoding, with log-probability 0 (the distribution is a point mass).
+- :func:`export_state` / :func:`load_state`: the model's weights as a flat name -> bf16 tensor
+  dict, the thing versions are made of. Names are ``model.named_parameters()``, so tied weights
+  appear once, under their first name (``model.embed_tokens.weight``; ``lm_head.weight`` is left
+  out when tied). Buffers (rotary frequencies) are not weights and are not exported.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+from flywheel.tinymodel.task import Problem, is_correct, user_message
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One completion: sampled ids (eos included when it stopped), their logprobs, why it ended."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: Literal["stop", "length"]
+
+
+def load_model(path: str | Path) -> tuple[PreTrainedModel, object]:
+    """Load a local model directory as (fp32 model in eval mode, tokenizer). Nothing downloaded."""
+    path = Path(path)
+    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32)
+    model = model.float().eval()
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    return model, tokenizer
+
+
+def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """Token ids of ``messages`` in the chat format, ending with the assistant generation prompt."""
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    return list(ids)
+
+
+def completion_text(tokenizer, token_ids: list[int]) -> str:
+    """The text of a completion, special tokens (eos) dropped."""
+    return tokenizer.decode(token_ids, skip_special_tokens=True)
+
+
+def _pick(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator | None):
+    """Sample one token per row from ``logits`` [B, V]; returns (ids [B], logprobs [B])."""
+    if temperature <= 0:
+        return logits.argmax(dim=-1), torch.zeros(logits.shape[0])
+    logp = torch.log_softmax(logits / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_logp, order = logp.sort(dim=-1, descending=True)
+        mass_before = sorted_logp.exp().cumsum(dim=-1) - sorted_logp.exp()
+        sorted_logp = sorted_logp.masked_fill(mass_before >= top_p, float("-inf"))
+        logp = torch.full_like(logp, float("-inf")).scatter(-1, order, sorted_logp)
+        logp = torch.log_softmax(logp, dim=-1)
+    ids = torch.multinomial(logp.exp(), 1, generator=gen).squeeze(-1)
+    return ids, logp.gather(-1, ids[:, None]).squeeze(-1)
+
+
+@torch.no_grad()
+def generate(
+    model: PreTrainedModel,
+    prompts: list[list[int]],
+    *,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    seed: int | None = None,
+    eos_token_id: int,
+) -> list[Sample]:
+    """Sample one completion per prompt. Deterministic for a given ``seed`` and batch."""
+    if not prompts:
+        return []
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token")
+    if not 0.0 < top_p <= 1.0:
+        raise ValueError("top_p must be in (0, 1]")
+    gen = None
+    if seed is not None:
+        gen = torch.Generator().manual_seed(seed)
+    n = len(prompts)
+    width = max(len(p) for p in prompts)
+    pad = 0
+    input_ids = torch.full((n, width), pad, dtype=torch.long)
+    mask = torch.zeros((n, width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        input_ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+        mask[i, width - len(p) :] = 1
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True)
+    past = out.past_key_values
+    logits = out.logits[:, -1, :]
+    next_pos = positions[:, -1] + 1
+    tokens: list[list[int]] = [[] for _ in range(n)]
+    logprobs: list[list[float]] = [[] for _ in range(n)]
+    done = torch.zeros(n, dtype=torch.bool)
+    for step in range(max_new_tokens):
+        ids, lps = _pick(logits.float(), temperature, top_p, gen)
+        for i in range(n):
+            if not done[i]:
+                tokens[i].append(int(ids[i]))
+                logprobs[i].append(float(lps[i]))
+        done |= ids == eos_token_id
+        if bool(done.all()) or step == max_new_tokens - 1:
+            break
+        mask = torch.cat([mask, torch.ones((n, 1), dtype=torch.long)], dim=1)
+        out = model(
+            input_ids=ids[:, None],
+            attention_mask=mask,
+            position_ids=next_pos[:, None],
+            past_key_values=past,
+            use_cache=True,
+        )
+        past = out.past_key_values
+        logits = out.logits[:, -1, :]
+        next_pos = next_pos + 1
+    return [
+        Sample(t, lp, "stop" if t and t[-1] == eos_token_id else "length")
+        for t, lp in zip(tokens, logprobs, strict=True)
+    ]
+
+
+@torch.no_grad()
+def token_logprobs(model: PreTrainedModel, tokens: list[int]) -> list[float]:
+    """``log p(tokens[i] | tokens[:i])`` for ``i >= 1`` at temperature 1, from one full forward pass."""
+    ids = torch.tensor([tokens], dtype=torch.long)
+    logits = model(input_ids=ids).logits[0, :-1].float()
+    logp = torch.log_softmax(logits, dim=-1)
+    return logp.gather(-1, ids[0, 1:, None]).squeeze(-1).tolist()
+
+
+def export_state(model: PreTrainedModel) -> dict[str, torch.Tensor]:
+    """bf16, contiguous CPU copies of the model's parameters (tied weights once)."""
+    return {
+        name: p.detach().to(device="cpu", dtype=torch.bfloat16).contiguous()
+        for name, p in model.named_parameters()
+    }
+
+
+@torch.no_grad()
+def load_state(model: PreTrainedModel, state: dict[str, torch.Tensor]) -> None:
+    """Copy ``state`` (as produced by :func:`export_state`) into the model, in place."""
+    params = dict(model.named_parameters())
+    missing, unexpected = params.keys() - state.keys(), state.keys() - params.keys()
+    if missing or unexpected:
+        raise KeyError(f"state does not match the model: missing {sorted(missing)}, unexpected {sorted(unexpected)}")
+    for name, p in params.items():
+        src = state[name]
+        if src.shape != p.shape:
+            raise ValueError(f"{name}: shape {tuple(src.shape)} does not match the model's {tuple(p.shape)}")
+        p.copy_(src)
+
+
+def evaluate(
+    model: PreTrainedModel,
+    tokenizer,
+    problems: list[Problem],
+    *,
+    seed: int = 0,
+    batch_size: int = 64,
+    max_new_tokens: int = 16,
+) -> float:
+    """Success rate over ``problems`` with one temperature-1 answer each (the held-out metric)."""
+    if not problems:
+        raise ValueError("no problems to evaluate")
+    eos = tokenizer.eos_token_id
+    solved = 0
+    for start in range(0, len(problems), batch_size):
+        chunk = problems[start : start + batch_size]
+        prompts = [chat_prompt_ids(tokenizer, [{"role": "user", "content": user_message(p)}]) for p in chunk]
+        samples = generate(
+            model, prompts, max_new_tokens=max_new_tokens, temperature=1.0, seed=seed + start, eos_token_id=eos
+        )
+        solved += sum(is_correct(p, completion_text(tokenizer, s.token_ids)) for p, s in zip(chunk, samples, strict=True))
+    return solved / len(problems)

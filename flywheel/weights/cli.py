@@ -1,0 +1,125 @@
+"""``flywheel weights ...``: the delta codec on safetensors files, from the command line.
+
+``weights diff OLD NEW -o DELTA``, ``weights apply OLD DELTA -o OUT``, ``weights stats OLD NEW
+[--json]``. Each sets ``args.weights_func(args) -> exit code``; torch is imported only when a
+command runs, so building the parser stays cheap.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+
+def add_weights_commands(subparsers: Any) -> None:
+    weights = subparsers.add_parser("weights", help="lossless weight deltas between safetensors files")
+    sub = weights.add_subparsers(dest="weights_command", required=True)
+
+    diff = sub.add_parser("diff", help="write the delta that turns OLD into NEW")
+    diff.add_argument("old", type=Path)
+    diff.add_argument("new", type=Path)
+    diff.add_argument("-o", "--output", type=Path, required=True, help="delta file to write")
+    diff.set_defaults(weights_func=_diff)
+
+    apply = sub.add_parser("apply", help="rebuild NEW from OLD and a delta (verified by hash)")
+    apply.add_argument("old", type=Path)
+    apply.add_argument("delta", type=Path)
+    apply.add_argument("-o", "--output", type=Path, required=True, help="safetensors file to write")
+    apply.set_defaults(weights_func=_apply)
+
+    stats = sub.add_parser("stats", help="delta size against a full copy, XOR+zstd and an entropy floor")
+    stats.add_argument("old", type=Path)
+    stats.add_argument("new", type=Path)
+    stats.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    stats.set_defaults(weights_func=_stats)
+
+
+def _read_state(path: Path) -> dict[str, Any]:
+    from flywheel.weights.codec import decode_full
+
+    return decode_full(path.read_bytes())
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_bytes(data)
+    tmp.replace(path)
+
+
+def _fail(message: str) -> int:
+    print(f"flywheel weights: {message}", file=sys.stderr)
+    return 1
+
+
+def _diff(args: argparse.Namespace) -> int:
+    from flywheel.weights.codec import DeltaError, encode_delta
+
+    try:
+        old, new = _read_state(args.old), _read_state(args.new)
+    except (OSError, DeltaError) as exc:
+        return _fail(str(exc))
+    start = time.perf_counter()
+    delta = encode_delta(old, new)
+    elapsed = time.perf_counter() - start
+    _write_atomic(args.output, delta)
+    full = sum(t.numel() * t.element_size() for t in new.values())
+    share = 100 * len(delta) / max(full, 1)
+    print(f"wrote {args.output}: {len(delta):,} bytes ({share:.2f}% of {full:,}) in {elapsed:.2f}s")
+    return 0
+
+
+def _apply(args: argparse.Namespace) -> int:
+    from flywheel.weights.codec import DeltaError, apply_delta, encode_full, state_sha256
+
+    try:
+        old = _read_state(args.old)
+        new = apply_delta(old, args.delta.read_bytes())
+    except (OSError, DeltaError) as exc:
+        return _fail(str(exc))
+    _write_atomic(args.output, encode_full(new))
+    print(f"wrote {args.output}: sha256 {state_sha256(new)} (verified)")
+    return 0
+
+
+def _stats(args: argparse.Namespace) -> int:
+    from flywheel.weights.codec import DeltaError, delta_stats
+
+    try:
+        stats = delta_stats(_read_state(args.old), _read_state(args.new))
+    except (OSError, DeltaError) as exc:
+        return _fail(str(exc))
+    if args.json:
+        print(json.dumps(stats, indent=2))
+        return 0
+    print(format_stats(stats))
+    return 0
+
+
+def format_stats(stats: dict[str, Any]) -> str:
+    """A plain-text table of :func:`flywheel.weights.codec.delta_stats`' result."""
+    head = (
+        f"{'dtype':<10} {'tensors':>7} {'elements':>12} {'changed':>8} {'full':>12} "
+        f"{'delta':>12} {'xor+zstd':>12} {'floor':>12}"
+    )
+    lines = [head, "-" * len(head)]
+
+    def row(label: str, r: dict[str, Any], delta: int) -> str:
+        full = max(r["bytes_full"], 1)
+        pct = lambda n: f"{n:,} {100 * n / full:5.1f}%"  # noqa: E731
+        return (
+            f"{label:<10} {r.get('tensors', 0):>7} {r['elements']:>12,} {100 * r['fraction_changed']:>7.2f}% "
+            f"{r['bytes_full']:>12,} {pct(delta):>12} {pct(r['bytes_xor_zstd']):>12} "
+            f"{pct(r['bytes_entropy_floor']):>12}"
+        )
+
+    for dtype, r in sorted(stats["by_dtype"].items()):
+        lines.append(row(dtype, r, r["bytes_delta"]))
+    lines.append("-" * len(head))
+    lines.append(row("total", stats, stats["bytes_delta"]))
+    schemes = ", ".join(f"{k} {v}" for k, v in stats["schemes"].items())
+    lines.append(f"tensors by scheme: {schemes} (total delta includes its header)")
+    return "\n".join(lines)

@@ -1,0 +1,349 @@
+"""The version registry of one model line: publish, look up, promote and load weight versions.
+
+A version is ``(model line, integer version, kind full|delta, parent, sha256 of the reconstructed
+weights)``; its bytes live in the object store under ``store_key``, its row in ``model_versions``,
+and every status change is audited in ``version_transitions``.
+
+Invariants:
+- A row exists only for an object that was uploaded, read back and reconstructed to the recorded
+  hash (publish is upload -> verify -> insert, in that order; a failed publish removes its object).
+- Version numbers are never reused: the primary key ``(model_line, version)`` decides, and a
+  publisher that loses the race retries with the next number. Store keys carry a random token,
+  so a losing publisher never overwrites the winner's object.
+- A delta is stored only on top of a parent whose recorded hash matches the base it was encoded
+  against, only when it is smaller than the full checkpoint, and never on anchor versions
+  (``version % full_every == 0``), so a load never walks more than ``full_every - 1`` deltas.
+  A delta is also refused when it is not much smaller than the full checkpoint (``DELTA_MAX_RATIO``).
+- :meth:`Registry.load` returns weights whose hash equals the row's, or raises :class:`WeightsError`.
+- At most one version of a line is ``stable``: promoting one retires the previous (audited).
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+import torch
+from sqlalchemy import func, select
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session, sessionmaker
+
+from flywheel.db.models import ModelVersion, VersionTransition
+from flywheel.weights.codec import (
+    DeltaError,
+    apply_delta,
+    count_changed,
+    decode_full,
+    encode_delta_with_summary,
+    encode_full,
+    read_delta_header,
+    state_sha256,
+)
+from flywheel.weights.store import Store, StoreError, validate_key
+
+State = dict[str, torch.Tensor]
+
+STATUSES = ("candidate", "canary", "stable", "rolled_back", "retired")
+_PUBLISH_ATTEMPTS = 20
+#: A delta is kept only when it is below this fraction of the full checkpoint; otherwise the version
+#: is stored in full (a delta that saves little is not worth a dependency on its parent chain).
+DELTA_MAX_RATIO = 0.5
+
+
+class WeightsError(Exception):
+    """Weights could not be published or reconstructed exactly (missing, corrupt, mismatched)."""
+
+
+class VersionNotFound(WeightsError, LookupError):
+    """No such version in this model line."""
+
+
+@dataclass(frozen=True)
+class VersionInfo:
+    model_line: str
+    version: int
+    kind: str
+    parent: int | None
+    sha256: str
+    store_key: str
+    bytes: int
+    full_bytes: int
+    fraction_changed: float | None
+    train_step: int | None
+    metrics: dict[str, Any]
+    status: str
+    created_at: datetime
+
+
+def _utc(value: datetime) -> datetime:
+    # SQLite hands back naive datetimes; everything stored is UTC.
+    return value if value.tzinfo is not None else value.replace(tzinfo=UTC)
+
+
+def _info(row: ModelVersion) -> VersionInfo:
+    return VersionInfo(
+        model_line=row.model_line,
+        version=row.version,
+        kind=row.kind,
+        parent=row.parent,
+        sha256=row.sha256,
+        store_key=row.store_key,
+        bytes=row.bytes,
+        full_bytes=row.full_bytes,
+        fraction_changed=row.fraction_changed,
+        train_step=row.train_step,
+        metrics=dict(row.metrics or {}),
+        status=row.status,
+        created_at=_utc(row.created_at),
+    )
+
+
+class Registry:
+    """Versions of ``model_line``, rows through ``session_factory``, bytes in ``store``."""
+
+    def __init__(
+        self, session_factory: sessionmaker[Session], store: Store, model_line: str, full_every: int = 50
+    ) -> None:
+        validate_key(model_line)
+        if full_every < 1:
+            raise ValueError("full_every must be at least 1")
+        self._sessions = session_factory
+        self.store = store
+        self.model_line = model_line
+        self.full_every = full_every
+
+    # --- reading -------------------------------------------------------------------------------
+
+    def _row(self, session: Session, version: int) -> ModelVersion:
+        row = session.get(ModelVersion, (self.model_line, version))
+        if row is None:
+            raise VersionNotFound(f"model line {self.model_line!r} has no version {version}")
+        return row
+
+    def get(self, version: int) -> VersionInfo:
+        with self._sessions() as session:
+            return _info(self._row(session, version))
+
+    def latest(self, status: str | None = None) -> VersionInfo | None:
+        """The highest version (with ``status``, when given), or None."""
+        query = select(ModelVersion).where(ModelVersion.model_line == self.model_line)
+        if status is not None:
+            _check_status(status)
+            query = query.where(ModelVersion.status == status)
+        with self._sessions() as session:
+            row = session.scalars(query.order_by(ModelVersion.version.desc()).limit(1)).first()
+            return _info(row) if row is not None else None
+
+    def versions(self) -> list[VersionInfo]:
+        query = select(ModelVersion).where(ModelVersion.model_line == self.model_line)
+        with self._sessions() as session:
+            return [_info(r) for r in session.scalars(query.order_by(ModelVersion.version))]
+
+    def transitions(self, version: int | None = None) -> list[dict[str, Any]]:
+        """The audit log of this line (or of one version), oldest first."""
+        query = select(VersionTransition).where(VersionTransition.model_line == self.model_line)
+        if version is not None:
+            query = query.where(VersionTransition.version == version)
+        with self._sessions() as session:
+            return [
+                {"version": t.version, "from_status": t.from_status, "to_status": t.to_status,
+                 "reason": t.reason, "at": _utc(t.at)}
+                for t in session.scalars(query.order_by(VersionTransition.id))
+            ]
+
+    # --- status --------------------------------------------------------------------------------
+
+    def set_status(self, version: int, status: str, reason: str) -> VersionInfo:
+        """Move ``version`` to ``status`` (audited). Promoting to ``stable`` retires the previous
+        stable version in the same transaction. Setting the current status again is a no-op."""
+        _check_status(status)
+        now = datetime.now(UTC)
+        with self._sessions() as session, session.begin():
+            # Lock the whole line (PostgreSQL) so two promotions cannot both leave a stable version.
+            rows = session.scalars(
+                select(ModelVersion)
+                .where(ModelVersion.model_line == self.model_line)
+                .order_by(ModelVersion.version)
+                .with_for_update()
+            ).all()
+            target = next((r for r in rows if r.version == version), None)
+            if target is None:
+                raise VersionNotFound(f"model line {self.model_line!r} has no version {version}")
+            if target.status == status:
+                return _info(target)
+            if status == "stable":
+                for row in rows:
+                    if row.status == "stable" and row.version != version:
+                        why = f"superseded by v{version}"
+                        session.add(self._transition(row.version, "stable", "retired", why, now))
+                        row.status = "retired"
+            session.add(self._transition(version, target.status, status, reason, now))
+            target.status = status
+            session.flush()
+            return _info(target)
+
+    def _transition(self, version: int, old: str | None, new: str, reason: str, at: datetime) -> VersionTransition:
+        return VersionTransition(
+            model_line=self.model_line, version=version, from_status=old, to_status=new, reason=reason, at=at
+        )
+
+    # --- publishing ----------------------------------------------------------------------------
+
+    def publish(
+        self,
+        state: State,
+        *,
+        parent: int | None,
+        parent_state: State | None = None,
+        train_step: int | None = None,
+        metrics: dict[str, Any] | None = None,
+        force_full: bool = False,
+    ) -> VersionInfo:
+        """Store ``state`` as the next version (status ``candidate``) and return it.
+
+        A delta against ``parent`` when it is allowed (not ``force_full``, not an anchor version)
+        and smaller than the full checkpoint; otherwise a full checkpoint. ``parent_state`` must be
+        the parent's weights (checked by hash); it is loaded from the registry when omitted.
+        """
+        sha = state_sha256(state)
+        full_blob = encode_full(state)
+        parent_sha: str | None = None
+        if parent is not None:
+            parent_sha = self.get(parent).sha256
+            if parent_state is not None and state_sha256(parent_state) != parent_sha:
+                raise WeightsError(f"parent_state does not match version {parent}'s recorded hash")
+        fraction: float | None = None
+        if parent_state is not None:
+            changed, elements = count_changed(parent_state, state)
+            fraction = changed / elements if elements else 0.0
+        delta_blob: bytes | None = None
+
+        for _ in range(_PUBLISH_ATTEMPTS):
+            version = self._next_version()
+            anchor = parent is None or force_full or version % self.full_every == 0
+            if not anchor and delta_blob is None:
+                if parent_state is None:
+                    assert parent is not None
+                    parent_state = self.load(parent)
+                delta_blob, summary = encode_delta_with_summary(parent_state, state)
+                fraction = summary.fraction_changed
+            small = delta_blob is not None and len(delta_blob) < DELTA_MAX_RATIO * len(full_blob)
+            kind = "delta" if not anchor and small else "full"
+            data = delta_blob if kind == "delta" else full_blob
+            assert data is not None
+            key = f"{self.model_line}/v{version:08d}-{secrets.token_hex(4)}.{kind}"
+            self.store.put(key, data)
+            try:
+                self._verify_object(key, kind, sha, parent_state, parent_sha)
+                row = ModelVersion(
+                    model_line=self.model_line, version=version, kind=kind,
+                    parent=parent,
+                    sha256=sha, store_key=key, bytes=len(data), full_bytes=len(full_blob),
+                    fraction_changed=fraction, train_step=train_step, metrics=dict(metrics or {}),
+                    status="candidate", created_at=datetime.now(UTC),
+                )
+                with self._sessions() as session, session.begin():
+                    session.add(row)
+                    session.add(self._transition(version, None, "candidate", f"published ({kind})", row.created_at))
+                    session.flush()
+                    info = _info(row)
+            except IntegrityError:
+                self.store.delete(key)  # another publisher took this number: try the next one
+                continue
+            except BaseException:
+                self.store.delete(key)
+                raise
+            return info
+        raise WeightsError(
+            f"could not allocate a version number for {self.model_line!r} after {_PUBLISH_ATTEMPTS} attempts"
+        )
+
+    def _next_version(self) -> int:
+        with self._sessions() as session:
+            current = session.scalar(
+                select(func.max(ModelVersion.version)).where(ModelVersion.model_line == self.model_line)
+            )
+        return 0 if current is None else current + 1
+
+    def _verify_object(
+        self, key: str, kind: str, sha: str, parent_state: State | None, parent_sha: str | None
+    ) -> None:
+        """Read the object back and rebuild the weights from it; raise unless the hash matches."""
+        try:
+            data = self.store.get(key)
+            if kind == "full":
+                got = state_sha256(decode_full(data))
+            else:
+                assert parent_state is not None
+                apply_delta(parent_state, data, old_sha256=parent_sha)  # checks the target hash
+                got = read_delta_header(data)[0].target_sha256
+        except (StoreError, DeltaError) as exc:
+            raise WeightsError(f"published object {key!r} failed verification: {exc}") from exc
+        if got != sha:
+            raise WeightsError(f"published object {key!r} rebuilds to {got[:12]}, expected {sha[:12]}")
+
+    # --- loading -------------------------------------------------------------------------------
+
+    def load(self, version: int, *, base: tuple[int, State] | None = None) -> State:
+        """The weights of ``version``, rebuilt from the nearest full anchor, or from ``base``
+        (``(base_version, base_state)``) when that version is on the chain; every step's hash is
+        checked against its row."""
+        chain: list[VersionInfo] = []
+        seen: set[int] = set()
+        with self._sessions() as session:
+            current = _info(self._row(session, version))
+            while True:
+                if base is not None and current.version == base[0]:
+                    break
+                if current.kind == "full":
+                    break
+                if current.kind != "delta" or current.parent is None:
+                    raise WeightsError(f"version {current.version} is a {current.kind!r} with parent {current.parent}")
+                if current.version in seen or current.parent >= current.version:
+                    raise WeightsError(f"version chain of {version} is not strictly decreasing at {current.version}")
+                seen.add(current.version)
+                chain.append(current)
+                try:
+                    current = _info(self._row(session, current.parent))
+                except VersionNotFound as exc:
+                    raise WeightsError(f"version {version} needs missing parent: {exc}") from exc
+
+        if base is not None and current.version == base[0]:
+            state = base[1]
+            if state_sha256(state) != current.sha256:
+                raise WeightsError(f"base state does not match version {current.version}'s recorded hash")
+            if not chain:
+                return {name: t.detach().cpu().clone() for name, t in state.items()}
+        else:
+            data = self._fetch(current)
+            try:
+                state = decode_full(data)
+            except DeltaError as exc:
+                raise WeightsError(f"version {current.version} ({current.store_key}): {exc}") from exc
+            if state_sha256(state) != current.sha256:
+                raise WeightsError(f"version {current.version} ({current.store_key}) does not match its recorded hash")
+
+        state_sha = current.sha256
+        for info in reversed(chain):
+            data = self._fetch(info)
+            try:
+                if read_delta_header(data)[0].target_sha256 != info.sha256:
+                    raise DeltaError("delta's target hash differs from the registry's")
+                state = apply_delta(state, data, old_sha256=state_sha)
+            except DeltaError as exc:
+                raise WeightsError(f"version {info.version} ({info.store_key}): {exc}") from exc
+            state_sha = info.sha256
+        return state
+
+    def _fetch(self, info: VersionInfo) -> bytes:
+        try:
+            return self.store.get(info.store_key)
+        except StoreError as exc:
+            raise WeightsError(f"version {info.version}: object {info.store_key!r} unavailable: {exc}") from exc
+
+
+def _check_status(status: str) -> None:
+    if status not in STATUSES:
+        raise ValueError(f"unknown status {status!r}; expected one of {', '.join(STATUSES)}")

@@ -1,0 +1,144 @@
+"""The OpenAI error envelope and the one mapping from exceptions to HTTP responses.
+
+Every error either serving app returns has the body
+``{"error": {"message": str, "type": str, "param": str | None, "code": str | None}}``.
+
+Invariants:
+- Bad input is a 4xx with a message a person can act on and ``param`` naming the offending field
+  as a dotted path (``messages.0.role``); it is never a 500.
+- :func:`install_error_handlers` is the only place that turns exceptions into responses, for both
+  the gateway and the node; routers raise :class:`APIError` (or let FastAPI raise its own).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Iterable
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = logging.getLogger(__name__)
+
+#: Error ``type`` by HTTP status, as OpenAI names them.
+_TYPES: dict[int, str] = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    409: "conflict_error",
+    413: "invalid_request_error",
+    415: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "internal_server_error",
+    502: "upstream_error",
+    503: "service_unavailable_error",
+    504: "upstream_error",
+}
+
+
+_UNION_TAGS = {"str", "int", "float", "bool", "none", "list", "dict", "bytes"}
+
+
+def error_type(status: int) -> str:
+    return _TYPES.get(status, "invalid_request_error" if status < 500 else "internal_server_error")
+
+
+class APIError(Exception):
+    """An error with an HTTP status that a client should see as an OpenAI envelope."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        type: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type or error_type(status)
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, type=self.type, param=self.param, code=self.code)
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def error_body(message: str, *, type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def loc_path(loc: Iterable[Any], prefix: str | None = None) -> str | None:
+    """Dotted field path of a pydantic error location, without FastAPI's ``body`` root."""
+    parts = [str(p) for p in loc]
+    if parts and parts[0] in ("body", "query", "path", "header"):
+        parts = parts[1:]
+    # Union members appear in locations as type tags (``content.str``, ``content.list[TextPart]``).
+    parts = [p for p in parts if p not in _UNION_TAGS and "[" not in p]
+    if prefix:
+        parts = [prefix, *parts]
+    return ".".join(parts) or None
+
+
+def validation_error(errors: list[dict[str, Any]], *, prefix: str | None = None) -> APIError:
+    """One 400 naming the first offending field; the message lists every problem found."""
+    if not errors:
+        return APIError(400, "invalid request")
+    described: list[str] = []
+    for err in errors[:10]:
+        path = loc_path(err.get("loc", ()), prefix)
+        msg = err.get("msg", "invalid value")
+        line = f"{path}: {msg}" if path else msg
+        if line not in described:
+            described.append(line)
+    more = f" (and {len(errors) - 10} more)" if len(errors) > 10 else ""
+    first = errors[0]
+    return APIError(
+        400,
+        "; ".join(described) + more,
+        param=loc_path(first.get("loc", ()), prefix),
+        code="invalid_value" if first.get("type") != "missing" else "missing_required_parameter",
+    )
+
+
+def from_pydantic(exc: ValidationError, *, prefix: str | None = None) -> APIError:
+    return validation_error(exc.errors(include_url=False), prefix=prefix)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Map every exception an endpoint can raise to the envelope; unknown ones become a logged 500."""
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _request_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return validation_error(list(exc.errors())).response()
+
+    @app.exception_handler(ValidationError)
+    async def _pydantic_validation(_: Request, exc: ValidationError) -> JSONResponse:
+        return from_pydantic(exc).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+        return APIError(exc.status_code, message, headers=dict(exc.headers or {})).response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return APIError(500, f"internal error: {type(exc).__name__}").response()

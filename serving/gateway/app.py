@@ -1,0 +1,288 @@
+"""The gateway: an OpenAI-compatible proxy that captures every generation and accepts feedback.
+
+``create_app(settings, bus_producer, http_client)`` builds the app once with its clients injected.
+
+Invariants:
+- A generation is on the bus (durably) before its response is returned; if it cannot be recorded
+  the client gets a 503 and may retry: capture never loses an event it acknowledged.
+- Rejected requests (too large, malformed JSON, invalid fields) never reach the upstream or the
+  bus; they get a 4xx OpenAI envelope naming the offending field.
+- Feedback event ids derive from the tenant and the client's ``feedback_id``: a retried
+  submission is the same event, so downstream consumers count it once.
+- Every response carries ``X-Flywheel-Session`` (the client's or a generated one).
+
+Seams for later issues: :meth:`Gateway.tenant` (auth), :meth:`Gateway.route` (sticky sessions and
+canaries pick the upstream per session), streaming (rejected with a 400 for now).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from pydantic import ValidationError
+
+from flywheel.events import new_id
+from flywheel.settings import Settings
+from serving.errors import APIError, from_pydantic, install_error_handlers
+from serving.gateway import capture
+from serving.protocol import (
+    GENERATION_HEADER,
+    MODEL_VERSION_HEADER,
+    SESSION_HEADER,
+    ChatCompletionRequest,
+    FeedbackBatch,
+    FeedbackItem,
+)
+
+log = logging.getLogger(__name__)
+
+
+class _Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.generations = Counter(
+            "flywheel_generations_captured", "Generations recorded on the bus", registry=self.registry
+        )
+        self.feedback = Counter("flywheel_feedback_captured", "Feedback events recorded on the bus", registry=self.registry)
+        self.rejected = Counter(
+            "flywheel_gateway_rejected", "Requests answered with an error", ["status"], registry=self.registry
+        )
+        self.capture_failures = Counter(
+            "flywheel_capture_failures", "Events the bus refused (answered 503)", registry=self.registry
+        )
+        self.upstream_latency = Histogram(
+            "flywheel_upstream_latency_seconds", "Upstream chat completion latency", registry=self.registry
+        )
+
+
+class Gateway:
+    """The serving class behind the routes; built once at start-up."""
+
+    def __init__(self, settings: Settings, bus_producer: Any, http_client: httpx.AsyncClient) -> None:
+        if settings.gateway.auth == "on":
+            # Tenant API keys arrive with the auth issue; refusing to start beats serving unauthenticated.
+            raise NotImplementedError("gateway.auth = 'on' is not implemented yet; use 'off'")
+        self.settings = settings
+        self.http = http_client
+        self.recorder = capture.Recorder(
+            bus_producer, settings.topic("generations"), settings.topic("feedback")
+        )
+        self.metrics = _Metrics()
+        self.upstream = (settings.gateway.upstream or f"http://{settings.node.host}:{settings.node.port}").rstrip("/")
+
+    # Seams -------------------------------------------------------------------------------------
+
+    def tenant(self, request: Request) -> str:
+        """The tenant a request acts for (auth off: the default tenant)."""
+        return self.settings.gateway.default_tenant
+
+    def route(self, session_id: str) -> str:
+        """The upstream base URL serving this session (one upstream for now)."""
+        return self.upstream
+
+    # Helpers -----------------------------------------------------------------------------------
+
+    async def read_json(self, request: Request) -> Any:
+        """The request body parsed as JSON, refusing bodies over ``gateway.max_body_bytes``."""
+        limit = self.settings.gateway.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise APIError(413, f"request body is {declared} bytes; the limit is {limit}", code="request_too_large")
+        chunks: list[bytes] = []
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise APIError(413, f"request body exceeds the limit of {limit} bytes", code="request_too_large")
+            chunks.append(chunk)
+        raw = b"".join(chunks)
+        if not raw.strip():
+            raise APIError(400, "request body is empty; send a JSON object", code="invalid_json")
+        try:
+            return json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise APIError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from None
+
+    def session_id(self, request: Request, explicit: str | None = None) -> str:
+        value = explicit or request.headers.get(SESSION_HEADER) or uuid.uuid4().hex
+        if len(value) > 256:
+            raise APIError(400, "session id is longer than 256 characters", param="session_id")
+        return value
+
+    async def record(self, events: list[Any]) -> None:
+        try:
+            await run_in_threadpool(self.recorder.send, events)
+        except Exception as exc:  # the bus is down or refused: the client must retry, nothing acknowledged
+            self.metrics.capture_failures.inc(len(events))
+            log.error("could not record %d event(s) on the bus: %s", len(events), exc)
+            raise APIError(
+                503, "the event bus is unavailable; the request was not recorded, retry later", code="capture_unavailable"
+            ) from exc
+
+    # Endpoints ---------------------------------------------------------------------------------
+
+    async def chat_completions(self, request: Request) -> JSONResponse:
+        body = await self.read_json(request)
+        if not isinstance(body, dict):
+            raise APIError(400, "request body must be a JSON object", code="invalid_json")
+        try:
+            chat = ChatCompletionRequest.model_validate(body)
+        except ValidationError as exc:
+            raise from_pydantic(exc) from None
+        if chat.stream:
+            raise APIError(400, "streaming is not supported yet; send stream=false", param="stream")
+        if chat.n not in (None, 1):
+            raise APIError(400, "only n=1 is supported", param="n")
+
+        session_id = self.session_id(request)
+        tenant = self.tenant(request)
+        generation_id = new_id()
+        upstream_body = capture.upstream_request(body, self.settings.model.line)
+        url = f"{self.route(session_id)}/v1/chat/completions"
+
+        start = time.perf_counter()
+        try:
+            upstream = await self.http.post(
+                url,
+                json=upstream_body,
+                headers={SESSION_HEADER: session_id},
+                timeout=self.settings.gateway.upstream_timeout_s,
+            )
+        except httpx.HTTPError as exc:
+            raise APIError(502, f"upstream {url} failed: {type(exc).__name__}: {exc}", code="upstream_unreachable") from exc
+        latency_ms = (time.perf_counter() - start) * 1000.0
+        self.metrics.upstream_latency.observe(latency_ms / 1000.0)
+
+        headers = {SESSION_HEADER: session_id}
+        if upstream.status_code >= 400:
+            raise _upstream_error(upstream, headers)
+        try:
+            response_body = upstream.json()
+            if not isinstance(response_body, dict):
+                raise ValueError("not a JSON object")
+            served = capture.extract_served(response_body, upstream.headers)
+        except (ValueError, capture.CaptureError) as exc:
+            raise APIError(502, f"upstream response cannot be captured: {exc}", code="bad_upstream_response", headers=headers) from None
+
+        event = capture.generation_event(
+            generation_id=generation_id,
+            tenant=tenant,
+            session_id=session_id,
+            model_line=self.settings.model.line,
+            request_body=body,
+            request=chat,
+            response_body=response_body,
+            served=served,
+            latency_ms=latency_ms,
+        )
+        await self.record([event])
+        self.metrics.generations.inc()
+        headers.update({GENERATION_HEADER: generation_id, MODEL_VERSION_HEADER: str(served.model_version)})
+        return JSONResponse(capture.client_response(response_body, chat), headers=headers)
+
+    async def feedback(self, request: Request) -> JSONResponse:
+        body = await self.read_json(request)
+        if not isinstance(body, dict):
+            raise APIError(400, "request body must be a JSON object (one feedback item or {\"feedback\": [...]})")
+        batch = "feedback" in body
+        try:
+            items = FeedbackBatch.model_validate(body).feedback if batch else [FeedbackItem.model_validate(body)]
+        except ValidationError as exc:
+            raise from_pydantic(exc) from None
+
+        tenant = self.tenant(request)
+        header_session = request.headers.get(SESSION_HEADER)
+        events = []
+        for i, item in enumerate(items):
+            prefix = f"feedback.{i}." if batch else ""
+            problem = capture.feedback_problem(item)
+            if problem:
+                raise APIError(400, problem, param=f"{prefix}signal", code="invalid_value")
+            session_id = item.session_id or header_session
+            if not session_id:
+                raise APIError(
+                    400,
+                    f"feedback needs a session: set {prefix}session_id or the {SESSION_HEADER} header",
+                    param=f"{prefix}session_id",
+                    code="missing_required_parameter",
+                )
+            events.append(capture.feedback_event(item, tenant=tenant, session_id=self.session_id(request, session_id)))
+
+        await self.record(events)
+        self.metrics.feedback.inc(len(events))
+        headers = {SESSION_HEADER: events[0].session_id} if len(events) == 1 else {}
+        return JSONResponse(
+            {"accepted": len(events), "event_ids": [e.event_id for e in events]}, status_code=202, headers=headers
+        )
+
+
+def _upstream_error(upstream: httpx.Response, headers: dict[str, str]) -> APIError:
+    """Upstream 4xx pass through (their envelope kept); anything else is a 502."""
+    try:
+        err = upstream.json().get("error")
+    except (ValueError, AttributeError):
+        err = None
+    message = (err or {}).get("message") if isinstance(err, dict) else None
+    message = message or upstream.text[:500] or f"HTTP {upstream.status_code}"
+    if 400 <= upstream.status_code < 500:
+        return APIError(
+            upstream.status_code,
+            message,
+            param=err.get("param") if isinstance(err, dict) else None,
+            code=err.get("code") if isinstance(err, dict) else None,
+            type=err.get("type") if isinstance(err, dict) and err.get("type") else None,
+            headers=headers,
+        )
+    return APIError(502, f"upstream returned HTTP {upstream.status_code}: {message}", code="upstream_error", headers=headers)
+
+
+def create_app(settings: Settings, bus_producer: Any, http_client: httpx.AsyncClient) -> FastAPI:
+    gateway = Gateway(settings, bus_producer, http_client)
+    app = FastAPI(title="flywheel gateway", docs_url=None, redoc_url=None)
+    app.state.gateway = gateway
+    install_error_handlers(app)
+
+    @app.middleware("http")
+    async def _session_and_errors(request: Request, call_next):  # type: ignore[no-untyped-def]
+        response = await call_next(request)
+        if response.status_code >= 400:
+            gateway.metrics.rejected.labels(status=str(response.status_code)).inc()
+        return response
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> JSONResponse:
+        return await gateway.chat_completions(request)
+
+    @app.post("/v1/feedback", status_code=202)
+    async def feedback(request: Request) -> JSONResponse:
+        return await gateway.feedback(request)
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        url = f"{gateway.upstream}/v1/models"
+        try:
+            upstream = await gateway.http.get(url, timeout=settings.gateway.upstream_timeout_s)
+        except httpx.HTTPError as exc:
+            raise APIError(502, f"upstream {url} failed: {type(exc).__name__}: {exc}", code="upstream_unreachable") from exc
+        if upstream.status_code >= 400:
+            raise _upstream_error(upstream, {})
+        return JSONResponse(upstream.json())
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {"status": "ok", "upstream": gateway.upstream, "model_line": settings.model.line}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(gateway.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app

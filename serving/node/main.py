@@ -1,0 +1,79 @@
+"""Entry point of the built-in serving node.
+
+Start-up order: wait for the database and upgrade it; make sure the model directory exists
+(``model.path`` or the built-in tiny model); load the engine; name its weights with a registered
+version — on a fresh registry the base model is published as version 0 (full) and marked stable,
+so every generation this node serves names a registered version; otherwise follow the stable
+version before accepting traffic. Then serve until stopped, with the updater polling.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from pathlib import Path
+
+from flywheel.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+def model_dir(settings: Settings) -> Path:
+    if settings.model.path:
+        return Path(settings.model.path)
+    from flywheel.tinymodel.build import ensure_default_model
+
+    return ensure_default_model(settings.data_path / "models")
+
+
+def bootstrap_version(engine, registry) -> None:  # type: ignore[no-untyped-def]
+    """Give the engine's start-up weights a registered version (publishing version 0 if none)."""
+    if registry.latest() is None:
+        info = registry.publish(engine.state(), parent=None, force_full=True)
+        registry.set_status(info.version, "stable", reason="node bootstrap: base model")
+        log.info("published the base model as version %d (%s)", info.version, info.sha256[:12])
+    for info in registry.versions():
+        if info.sha256 == engine.sha256:
+            engine.set_version(info.version)
+            return
+
+
+def run(settings: Settings, stop: threading.Event | None = None) -> None:
+    """Serve the node on ``settings.node.host:port`` until ``stop`` is set (or SIGINT/SIGTERM)."""
+    from flywheel.db.session import make_engine, make_session_factory, upgrade, wait_for_db
+    from flywheel.live import make_live
+    from flywheel.weights.registry import Registry
+    from flywheel.weights.store import make_store
+    from serving.node.app import create_app
+    from serving.node.engine import Engine
+    from serving.node.updater import Updater
+    from serving.server import serve
+
+    url = settings.database_url
+    if url.startswith("sqlite"):
+        settings.data_path.mkdir(parents=True, exist_ok=True)
+    wait_for_db(url, settings.db.wait_s)
+    upgrade(url)
+    with contextlib.ExitStack() as cleanup:
+        db = make_engine(url)
+        cleanup.callback(db.dispose)
+        sessions = make_session_factory(db)
+        registry = Registry(sessions, make_store(settings), settings.model.line, full_every=settings.trainer.full_every)
+        live = make_live(settings)
+        cleanup.callback(live.close)
+
+        engine = Engine(model_dir(settings), settings)
+        cleanup.callback(engine.close)
+        bootstrap_version(engine, registry)
+        node_url = f"http://{settings.node.host}:{settings.node.port}"
+        updater = Updater(engine, registry, settings, session_factory=sessions, live=live, url=node_url)
+        outcome = updater.check_once()
+        if engine.version is None:
+            raise RuntimeError(f"no registered version could be loaded at start-up: {outcome.detail or 'none matches'}")
+        updater.start()
+        cleanup.callback(updater.stop)
+
+        app = create_app(engine, updater, settings)
+        log.info("node %s serving %s v%s on %s", settings.node.node_id, settings.model.line, engine.version, node_url)
+        serve(app, host=settings.node.host, port=settings.node.port, stop=stop, log_level=settings.log_level)

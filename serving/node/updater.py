@@ -1,0 +1,173 @@
+"""Keeps a node on the registry's stable version: poll, load the chain, verify, swap, report.
+
+``Updater(engine, registry, settings, session_factory=..., live=...)``:
+- :meth:`check_once` reads ``registry.latest("stable")``; when it differs from what the engine
+  serves (newer, or older after a rollback) it calls :meth:`update_to`.
+- :meth:`update_to` loads the version with ``registry.load(version, base=(current, state))``, which
+  applies deltas from the version the node already has and verifies the sha256 of every
+  reconstructed step, then swaps it into the engine between batches.
+
+Invariants:
+- On any failure (missing blob, corrupt delta, hash mismatch, shape mismatch) the engine keeps
+  serving the version it had; the node's status becomes ``failed_update`` with the reason, and
+  the same version is not retried by the poll loop until the stable version changes (an admin
+  ``update_to`` retries it explicitly).
+- The node's row in ``nodes`` (live version, status, detail, last heartbeat) and its live-state
+  heartbeat are refreshed on every change and at least every ``db_heartbeat_s``.
+- One update at a time: the poll thread and the admin endpoint share a lock.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from flywheel.db.models import Node
+from flywheel.events import utcnow
+from flywheel.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class UpdateOutcome:
+    ok: bool
+    changed: bool
+    version: int | None
+    detail: str = ""
+
+
+class Updater:
+    def __init__(
+        self,
+        engine: Any,
+        registry: Any,
+        settings: Settings,
+        *,
+        session_factory: Any = None,
+        live: Any = None,
+        url: str = "",
+        db_heartbeat_s: float = 10.0,
+    ) -> None:
+        self.engine = engine
+        self.registry = registry
+        self.settings = settings
+        self.session_factory = session_factory
+        self.live = live
+        self.url = url or f"http://{settings.node.host}:{settings.node.port}"
+        self.db_heartbeat_s = db_heartbeat_s
+        self.status = "serving"
+        self.detail = ""
+        self.updates = 0
+        self._failed_version: int | None = None
+        self._lock = threading.Lock()
+        self._last_db_heartbeat = 0.0
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+
+    # One step ----------------------------------------------------------------------------------
+
+    def check_once(self) -> UpdateOutcome:
+        """Follow the registry's stable version once."""
+        stable = self.registry.latest("stable")
+        current, _ = self.engine.current()
+        if stable is None or stable.version == current:
+            self._report()
+            return UpdateOutcome(True, False, current)
+        if stable.version == self._failed_version:
+            self._report()
+            return UpdateOutcome(False, False, current, self.detail)
+        return self.update_to(stable.version)
+
+    def update_to(self, version: int) -> UpdateOutcome:
+        """Load and swap in ``version``; on failure keep serving the current one."""
+        with self._lock:
+            current, _ = self.engine.current()
+            if version == current:
+                self._set("serving", "")
+                return UpdateOutcome(True, False, current)
+            base = (current, self.engine.state()) if current is not None else None
+            self._set("updating", f"loading version {version}")
+            started = time.perf_counter()
+            try:
+                info = self.registry.get(version)
+                state = self.registry.load(version, base=base)
+                self.engine.swap(version, state, info.sha256)
+            except Exception as exc:  # keep serving what we have; report why
+                reason = f"version {version}: {type(exc).__name__}: {exc}"
+                log.error("weight update failed, still serving version %s: %s", current, reason)
+                self._failed_version = version
+                self._set("failed_update", reason)
+                return UpdateOutcome(False, False, current, reason)
+            self._failed_version = None
+            self.updates += 1
+            took = time.perf_counter() - started
+            self._set("serving", f"updated {current} -> {version} in {took:.2f}s")
+            return UpdateOutcome(True, True, version, self.detail)
+
+    # Background loop ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._loop, name="weight-updater", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30.0)
+            self._thread = None
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.check_once()
+            except Exception:  # the registry or database is unreachable: retried on the next poll
+                log.exception("updater poll failed; retrying in %.1fs", self.settings.node.poll_s)
+            self._stop.wait(self.settings.node.poll_s)
+
+    # Reporting ---------------------------------------------------------------------------------
+
+    def _set(self, status: str, detail: str) -> None:
+        changed = (status, detail) != (self.status, self.detail)
+        self.status, self.detail = status, detail
+        self._report(force=changed)
+
+    def _report(self, force: bool = False) -> None:
+        version, sha = self.engine.current()
+        node = self.settings.node
+        if self.live is not None:
+            payload = {
+                "node_id": node.node_id,
+                "region": node.region,
+                "url": self.url,
+                "model_line": self.settings.model.line,
+                "live_version": version,
+                "sha256": sha,
+                "status": self.status,
+                "detail": self.detail,
+            }
+            self.live.heartbeat(node.node_id, payload, ttl_s=max(5.0, 3 * node.poll_s))
+        now = time.monotonic()
+        if self.session_factory is None or (not force and now - self._last_db_heartbeat < self.db_heartbeat_s):
+            return
+        self._last_db_heartbeat = now
+        with self.session_factory() as session:
+            session.merge(
+                Node(
+                    node_id=node.node_id,
+                    region=node.region,
+                    url=self.url,
+                    model_line=self.settings.model.line,
+                    live_version=version,
+                    status=self.status,
+                    detail=self.detail[:2000],
+                    last_heartbeat=utcnow(),
+                )
+            )
+            session.commit()

@@ -1,0 +1,373 @@
+"""Bus conformance: every test runs against the local log and a real Kafka-protocol broker.
+
+The semantics checked are the ones documented in ``flywheel.bus.base``: per-key order, durable
+commits, at-least-once redelivery, group resume, independent groups, dead letters and exclusive
+partition ownership inside a group.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+import uuid
+from collections import defaultdict
+from typing import Callable
+
+import pytest
+
+from flywheel.bus import (
+    DLQ_ORIGIN_OFFSET,
+    DLQ_ORIGIN_PARTITION,
+    DLQ_ORIGIN_TOPIC,
+    DLQ_REASON,
+    Bus,
+    Consumer,
+    Record,
+    dlq_topic,
+    make_bus,
+    partition_for_key,
+)
+from flywheel.settings import Settings
+
+pytestmark = pytest.mark.integration
+
+DEADLINE_S = 30.0
+
+
+def _wait(condition: Callable[[], bool], what: str, timeout_s: float = DEADLINE_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+        time.sleep(0.05)
+
+
+def drain(consumer: Consumer, expected: int, *, settle_s: float = 0.5) -> list[Record]:
+    """Poll until ``expected`` records arrived, then keep polling ``settle_s`` to catch extras."""
+    out: list[Record] = []
+    deadline = time.monotonic() + DEADLINE_S
+    while len(out) < expected:
+        assert time.monotonic() < deadline, f"got {len(out)} of {expected} records in {DEADLINE_S}s"
+        out.extend(consumer.poll(0.5))
+    end = time.monotonic() + settle_s
+    while time.monotonic() < end:
+        out.extend(consumer.poll(0.1))
+    return out
+
+
+def wait_assigned(consumer: Consumer, pairs: set[tuple[str, int]]) -> list[Record]:
+    """Poll (keeping what arrives) until ``consumer`` owns ``pairs``."""
+    got: list[Record] = []
+    deadline = time.monotonic() + DEADLINE_S
+    while consumer.assignment() != pairs:
+        assert time.monotonic() < deadline, f"assignment {consumer.assignment()} never became {pairs}"
+        got.extend(consumer.poll(0.2))
+    return got
+
+
+def ids(records: list[Record]) -> list[tuple[int, int]]:
+    return [(r.partition, r.offset) for r in records]
+
+
+@pytest.fixture
+def bus(bus_settings: Settings):
+    bus = make_bus(bus_settings)
+    yield bus
+    bus.close()
+
+
+def _topic(settings: Settings, bus: Bus, name: str = "events") -> str:
+    topic = settings.topic(name)
+    bus.ensure_topics([topic])
+    return topic
+
+
+def _produce(bus: Bus, topic: str, items: list[tuple[str, bytes]], headers: dict[str, str] | None = None) -> None:
+    producer = bus.producer()
+    try:
+        for key, value in items:
+            producer.send(topic, key, value, headers)
+        producer.flush()
+    finally:
+        producer.close()
+
+
+def test_per_key_order_and_partitioning(bus_settings: Settings, bus: Bus) -> None:
+    topic = _topic(bus_settings, bus)
+    rng = random.Random()
+    keys = [f"session-{uuid.uuid4().hex[:8]}" for _ in range(24)]
+    counters = dict.fromkeys(keys, 0)
+    items = []
+    for _ in range(240):  # interleaved: each record goes to a random key, numbered per key
+        key = rng.choice(keys)
+        items.append((key, f"{key}:{counters[key]}".encode()))
+        counters[key] += 1
+    _produce(bus, topic, items, headers={"h": "v"})
+
+    consumer = bus.consumer("order", [topic])
+    try:
+        got = drain(consumer, len(items))
+    finally:
+        consumer.close()
+
+    assert len(got) == len(items)
+    assert len(set(ids(got))) == len(got)
+    per_key: dict[str, list[int]] = defaultdict(list)
+    for record in got:
+        key, seq = record.value.decode().split(":")
+        assert record.key == key and record.topic == topic and record.headers == {"h": "v"}
+        assert record.partition == partition_for_key(key, bus_settings.bus.partitions)
+        per_key[key].append(int(seq))
+    assert {k: v for k, v in per_key.items()} == {k: list(range(n)) for k, n in counters.items() if n}
+    by_partition: dict[int, list[int]] = defaultdict(list)
+    for record in got:
+        by_partition[record.partition].append(record.offset)
+    for offsets in by_partition.values():
+        assert offsets == sorted(offsets)
+
+
+def test_uncommitted_records_are_redelivered(bus_settings: Settings, bus: Bus) -> None:
+    topic = _topic(bus_settings, bus)
+    items = [(f"k{i % 5}", f"v{i}".encode()) for i in range(20)]
+    _produce(bus, topic, items)
+
+    first = bus.consumer("alo", [topic])
+    try:
+        seen = drain(first, len(items))
+    finally:
+        first.close()  # no commit: nothing was processed
+
+    again = make_bus(bus_settings)  # a restarted process
+    second = again.consumer("alo", [topic])
+    try:
+        redelivered = drain(second, len(items))
+    finally:
+        second.close()
+        again.close()
+    assert sorted(ids(redelivered)) == sorted(ids(seen))
+    assert sorted(r.value for r in redelivered) == sorted(v for _, v in items)
+
+
+def test_commit_after_process_resumes_exactly_after_committed(bus_settings: Settings, bus: Bus) -> None:
+    topic = _topic(bus_settings, bus)
+    items = [(f"k{i % 7}", f"v{i}".encode()) for i in range(40)]
+    _produce(bus, topic, items)
+
+    consumer = bus.consumer("half", [topic])
+    try:
+        got = drain(consumer, len(items))
+        per_partition: dict[int, list[Record]] = defaultdict(list)
+        for record in got:
+            per_partition[record.partition].append(record)
+        processed = [r for recs in per_partition.values() for r in recs[: len(recs) // 2 + 1]]
+        consumer.commit(processed)
+    finally:
+        consumer.close()
+
+    expected = sorted(set(ids(got)) - set(ids(processed)))
+    restarted = make_bus(bus_settings)
+    consumer = restarted.consumer("half", [topic])
+    try:
+        rest = drain(consumer, len(expected), settle_s=1.0)
+    finally:
+        consumer.close()
+        restarted.close()
+    assert sorted(ids(rest)) == expected
+
+
+def test_group_resumes_after_restart(bus_settings: Settings, bus: Bus) -> None:
+    topic = _topic(bus_settings, bus)
+    batch1 = [(f"a{i % 3}", f"one-{i}".encode()) for i in range(15)]
+    batch2 = [(f"a{i % 3}", f"two-{i}".encode()) for i in range(15)]
+    _produce(bus, topic, batch1)
+    consumer = bus.consumer("resume", [topic])
+    try:
+        got = drain(consumer, len(batch1))
+        consumer.commit(got)
+    finally:
+        consumer.close()
+    bus.close()
+
+    restarted = make_bus(bus_settings)
+    try:
+        _produce(restarted, topic, batch2)
+        consumer = restarted.consumer("resume", [topic])
+        try:
+            got2 = drain(consumer, len(batch2), settle_s=1.0)
+            consumer.commit(got2)
+        finally:
+            consumer.close()
+    finally:
+        restarted.close()
+    assert sorted(r.value for r in got2) == sorted(v for _, v in batch2)
+
+
+def test_independent_groups_each_see_everything(bus_settings: Settings, bus: Bus) -> None:
+    topic = _topic(bus_settings, bus)
+    items = [(f"g{i % 4}", f"v{i}".encode()) for i in range(25)]
+    _produce(bus, topic, items)
+    results: dict[str, list[Record]] = {}
+    errors: list[BaseException] = []
+
+    def read(group: str) -> None:
+        consumer = bus.consumer(group, [topic])
+        try:
+            results[group] = drain(consumer, len(items))
+            consumer.commit(results[group])
+        except BaseException as exc:  # reported by the main thread
+            errors.append(exc)
+        finally:
+            consumer.close()
+
+    threads = [threading.Thread(target=read, args=(group,)) for group in ("ingest", "audit")]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors
+    for group in ("ingest", "audit"):
+        assert sorted(r.value for r in results[group]) == sorted(v for _, v in items)
+
+
+def test_dead_letters_carry_reason_and_origin(bus_settings: Settings, bus: Bus) -> None:
+    topic = _topic(bus_settings, bus)
+    _produce(bus, topic, [("s1", b'{"ok": 1}'), ("s1", b"\xffnot json"), ("s1", b'{"ok": 2}')], headers={"trace": "t1"})
+
+    consumer = bus.consumer("dl", [topic])
+    try:
+        got = drain(consumer, 3)
+        bad = [r for r in got if r.value.startswith(b"\xff")]
+        assert len(bad) == 1
+        consumer.dead_letter(bad[0], "undecodable: invalid JSON")
+        consumer.commit(got)  # the bad record is handled: it must not block its neighbours
+    finally:
+        consumer.close()
+
+    reader = bus.consumer("dl-reader", [dlq_topic(topic)])
+    try:
+        letters = drain(reader, 1, settle_s=1.0)
+    finally:
+        reader.close()
+    assert len(letters) == 1
+    letter = letters[0]
+    assert letter.topic == dlq_topic(topic)
+    assert letter.value == b"\xffnot json" and letter.key == "s1"
+    assert letter.headers == {
+        "trace": "t1",
+        DLQ_REASON: "undecodable: invalid JSON",
+        DLQ_ORIGIN_TOPIC: topic,
+        DLQ_ORIGIN_PARTITION: str(bad[0].partition),
+        DLQ_ORIGIN_OFFSET: str(bad[0].offset),
+    }
+
+    # The origin group committed all three: after a restart the next record on that partition
+    # (same key) is the first thing it gets.
+    _produce(bus, topic, [("s1", b"next")])
+    consumer = bus.consumer("dl", [topic])
+    try:
+        assert [r.value for r in drain(consumer, 1)] == [b"next"]
+    finally:
+        consumer.close()
+
+
+class _Member(threading.Thread):
+    """A group member in its own thread: poll, remember, commit (the worker loop)."""
+
+    def __init__(self, bus: Bus, group: str, topic: str) -> None:
+        super().__init__(daemon=True)
+        self.consumer = bus.consumer(group, [topic])
+        self.records: list[Record] = []
+        self.owned: set[tuple[str, int]] = set()
+        self.owned_when: list[tuple[set[tuple[str, int]], list[tuple[int, int]]]] = []
+        self.stop = threading.Event()
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            while not self.stop.is_set():
+                batch = self.consumer.poll(0.2)
+                owned = self.consumer.assignment()
+                self.owned_when.append((owned, ids(batch)))
+                self.records.extend(batch)
+                self.consumer.commit(batch)
+                self.owned = owned
+        except BaseException as exc:  # reported by the main thread
+            self.error = exc
+        finally:
+            self.consumer.close()
+
+
+def test_one_group_splits_partitions_and_never_double_delivers(bus_settings: Settings, bus: Bus) -> None:
+    topic = _topic(bus_settings, bus)
+    everything = {(topic, p) for p in range(bus_settings.bus.partitions)}
+    a = _Member(bus, "split", topic)
+    a.start()
+    _wait(lambda: a.owned == everything or a.error is not None, "the first member to own every partition")
+    b = _Member(bus, "split", topic)
+    b.start()
+    try:
+
+        def split() -> bool:
+            return bool(a.owned) and bool(b.owned) and not (a.owned & b.owned) and a.owned | b.owned == everything
+
+        _wait(lambda: split() or a.error is not None or b.error is not None, "the group to split the partitions")
+        assert a.error is None and b.error is None
+        time.sleep(1.0)  # the split is stable, not a passing state
+        assert split(), (a.owned, b.owned)
+
+        items = [(f"key-{i % 40}", f"v{i}".encode()) for i in range(200)]
+        _produce(bus, topic, items)
+        _wait(lambda: len(a.records) + len(b.records) >= len(items), "every record to be consumed")
+        time.sleep(1.0)
+        assert a.error is None and b.error is None
+        got_a, got_b = set(ids(a.records)), set(ids(b.records))
+        assert len(got_a) == len(a.records) and len(got_b) == len(b.records), "a member saw a record twice"
+        assert not got_a & got_b, "one record went to both members of a group"
+        assert len(got_a | got_b) == len(items)
+        assert got_a and got_b, "the group did not share the work"
+        for member in (a, b):  # every record came from a partition the member owned at that poll
+            for owned, batch in member.owned_when:
+                assert {(topic, p) for p, _ in batch} <= owned
+
+        # Failover: when b leaves, a takes over all partitions and gets what b would have.
+        b.stop.set()
+        b.join(DEADLINE_S)
+        assert b.error is None
+        _wait(lambda: a.owned == everything or a.error is not None, "the survivor to own every partition")
+        before = len(a.records)
+        more = [(f"key-{i % 40}", f"w{i}".encode()) for i in range(40)]
+        _produce(bus, topic, more)
+        _wait(lambda: len(a.records) - before >= len(more), "the survivor to get the new records")
+        assert sorted(r.value for r in a.records[before:]) == sorted(v for _, v in more)
+    finally:
+        for member in (a, b):
+            member.stop.set()
+        for member in (a, b):
+            if member.is_alive():
+                member.join(DEADLINE_S)
+    assert a.error is None and b.error is None
+
+
+def test_kafka_flush_raises_when_the_broker_is_gone(tmp_path) -> None:
+    """``send`` only enqueues; an unacknowledged record must surface as an error, never vanish."""
+    from flywheel.bus import BusError
+    from tests.fixtures.kafka import kafka_test_settings, start_tansu
+
+    broker = start_tansu(log_dir=tmp_path)
+    try:
+        settings = kafka_test_settings(broker.bootstrap, tmp_path)
+        bus = make_bus(settings)
+        topic = _topic(settings, bus)
+        producer = bus.producer()
+        producer.send(topic, "k", b"acknowledged")
+        producer.flush(timeout_s=10)
+        bus.close()
+        broker.kill()  # a crash: no goodbye to the clients
+        producer.send(topic, "k", b"never acknowledged")
+        with pytest.raises(BusError):
+            producer.flush(timeout_s=2)
+        with pytest.raises(BusError):
+            producer.close(timeout_s=0.5)
+    finally:
+        broker.stop()

@@ -1,0 +1,320 @@
+"""The weight store and the version registry on a real database (SQLite and PostgreSQL) and folder."""
+
+from __future__ import annotations
+
+import os
+import random
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from flywheel.db.session import make_engine, make_session_factory
+from flywheel.settings import load_settings
+from flywheel.weights.codec import state_sha256
+from flywheel.weights.registry import Registry, VersionNotFound, WeightsError
+from flywheel.weights.store import FolderStore, InvalidKey, ObjectNotFound, make_store
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def rng() -> random.Random:
+    seed = random.SystemRandom().getrandbits(32)
+    print(f"registry test seed: {seed}")
+    return random.Random(seed)
+
+
+@pytest.fixture
+def sessions(migrated_db_url: str):
+    engine = make_engine(migrated_db_url)
+    yield make_session_factory(engine)
+    engine.dispose()
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> FolderStore:
+    return FolderStore(tmp_path / "store")
+
+
+def make_state(rng: random.Random) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(rng.getrandbits(63))
+    return {
+        "embed": (torch.randn(300, 64, generator=g) * 0.02).bfloat16(),
+        "layer.0.w": (torch.randn(64, 64, generator=g) * 0.02).bfloat16(),
+        "layer.0.b": torch.zeros(64, dtype=torch.bfloat16),
+        "norm": torch.ones(64),
+    }
+
+
+def train_step(rng: random.Random, state: dict[str, torch.Tensor], fraction: float = 0.03) -> dict[str, torch.Tensor]:
+    """A fake optimizer step: a few percent of the bf16 weights move by one ULP."""
+    g = torch.Generator().manual_seed(rng.getrandbits(63))
+    out = {}
+    for name, t in state.items():
+        if t.dtype == torch.bfloat16:
+            b = t.clone().view(torch.int16)
+            moved = torch.rand(b.shape, generator=g) < fraction
+            out[name] = torch.where(moved, b + 1, b).view(torch.bfloat16)
+        else:
+            out[name] = t.clone()
+    return out
+
+
+def assert_bit_exact(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert state_sha256(got) == state_sha256(want)
+    assert sorted(got) == sorted(want)
+    for name in want:
+        assert torch.equal(got[name].view(torch.uint8), want[name].view(torch.uint8)), name
+
+
+# --- registry -----------------------------------------------------------------------------------
+
+
+def test_publish_chain_and_load_every_version(sessions, store, rng: random.Random) -> None:
+    registry = Registry(sessions, store, "line-a", full_every=3)
+    states = [make_state(rng)]
+    infos = [registry.publish(states[0], parent=None, train_step=0, metrics={"reward": 0.1})]
+    for v in range(1, 8):
+        states.append(train_step(rng, states[-1]))
+        # Alternate: the caller hands over the parent's weights, or the registry loads them.
+        parent_state = states[v - 1] if v % 2 else None
+        infos.append(registry.publish(states[v], parent=v - 1, parent_state=parent_state, train_step=v * 10))
+
+    assert [i.version for i in infos] == list(range(8))
+    assert [i.kind for i in infos] == ["full", "delta", "delta", "full", "delta", "delta", "full", "delta"]
+    assert [i.parent for i in infos] == [None, 0, 1, 2, 3, 4, 5, 6]
+    for info, state in zip(infos, states, strict=True):
+        assert info.sha256 == state_sha256(state)
+        assert info.status == "candidate"
+        assert store.exists(info.store_key) and info.store_key.startswith("line-a/")
+        assert info.bytes == len(store.get(info.store_key))
+        if info.kind == "delta":
+            assert info.bytes < 0.2 * info.full_bytes
+            assert info.fraction_changed == pytest.approx(0.03 * 23360 / 23424, rel=0.25)
+        assert_bit_exact(registry.load(info.version), state)
+        assert registry.get(info.version) == info
+    assert infos[0].metrics == {"reward": 0.1} and infos[0].created_at.tzinfo is not None
+
+    # Loading from a base the caller already has applies only the deltas after it.
+    assert_bit_exact(registry.load(5, base=(4, states[4])), states[5])
+    assert_bit_exact(registry.load(4, base=(4, states[4])), states[4])
+    with pytest.raises(WeightsError, match="base state"):
+        registry.load(5, base=(4, states[3]))
+    assert_bit_exact(registry.load(2, base=(6, states[6])), states[2])  # base not on the chain: ignored
+
+    assert registry.versions() == infos
+    assert registry.latest() == infos[-1]
+    assert [t["to_status"] for t in registry.transitions()] == ["candidate"] * 8
+    with pytest.raises(VersionNotFound):
+        registry.get(99)
+    # Another line in the same database starts at 0 and sees none of line-a.
+    other = Registry(sessions, store, "line-b")
+    assert other.latest() is None and other.versions() == []
+    assert other.publish(states[3], parent=None).version == 0
+
+
+def test_statuses_and_audit_trail(sessions, store, rng: random.Random) -> None:
+    registry = Registry(sessions, store, "line-s")
+    s0 = make_state(rng)
+    s1 = train_step(rng, s0)
+    s2 = train_step(rng, s1)
+    registry.publish(s0, parent=None)
+    registry.publish(s1, parent=0, parent_state=s0)
+    registry.publish(s2, parent=1, parent_state=s1)
+
+    assert registry.set_status(0, "stable", "bootstrap").status == "stable"
+    registry.set_status(1, "canary", "canary 10%")
+    registry.set_status(1, "stable", "canary passed")
+    assert registry.get(0).status == "retired"
+    assert registry.latest("stable").version == 1
+    registry.set_status(2, "canary", "canary 10%")
+    registry.set_status(2, "rolled_back", "reward dropped")
+    assert registry.latest("stable").version == 1
+    assert registry.latest("candidate") is None
+    assert registry.set_status(1, "stable", "again").status == "stable"  # no-op, not audited
+    with pytest.raises(ValueError, match="unknown status"):
+        registry.set_status(1, "golden", "nope")
+    with pytest.raises(VersionNotFound):
+        registry.set_status(7, "stable", "nope")
+
+    trail = [(t["version"], t["from_status"], t["to_status"], t["reason"]) for t in registry.transitions()]
+    assert trail == [
+        (0, None, "candidate", "published (full)"),
+        (1, None, "candidate", "published (delta)"),
+        (2, None, "candidate", "published (delta)"),
+        (0, "candidate", "stable", "bootstrap"),
+        (1, "candidate", "canary", "canary 10%"),
+        (0, "stable", "retired", "superseded by v1"),
+        (1, "canary", "stable", "canary passed"),
+        (2, "candidate", "canary", "canary 10%"),
+        (2, "canary", "rolled_back", "reward dropped"),
+    ]
+    assert [t["to_status"] for t in registry.transitions(2)] == ["candidate", "canary", "rolled_back"]
+    assert sum(1 for i in registry.versions() if i.status == "stable") == 1
+
+
+def test_corrupt_or_missing_objects_fail_loudly(sessions, store, rng: random.Random) -> None:
+    registry = Registry(sessions, store, "line-c", full_every=10)
+    states = [make_state(rng)]
+    registry.publish(states[0], parent=None)
+    for v in range(1, 4):
+        states.append(train_step(rng, states[-1]))
+        registry.publish(states[v], parent=v - 1, parent_state=states[v - 1])
+
+    key2 = registry.get(2).store_key
+    data = bytearray(store.get(key2))
+    data[len(data) // 2] ^= 0x10
+    store.put(key2, bytes(data))
+    assert_bit_exact(registry.load(1), states[1])  # before the damage: fine
+    with pytest.raises(WeightsError, match="version 2"):
+        registry.load(3)
+    with pytest.raises(WeightsError, match="version 2"):
+        registry.load(2)
+
+    store.delete(registry.get(0).store_key)
+    with pytest.raises(WeightsError, match="unavailable"):
+        registry.load(1)
+
+    # A full object swapped for another version's bytes is caught by the hash.
+    registry2 = Registry(sessions, store, "line-c2")
+    a, b = make_state(rng), make_state(rng)
+    registry2.publish(a, parent=None)
+    registry2.publish(b, parent=None)
+    store.put(registry2.get(0).store_key, store.get(registry2.get(1).store_key))
+    with pytest.raises(WeightsError, match="recorded hash"):
+        registry2.load(0)
+
+
+def test_publish_refuses_a_wrong_parent_state(sessions, store, rng: random.Random) -> None:
+    registry = Registry(sessions, store, "line-p")
+    s0 = make_state(rng)
+    registry.publish(s0, parent=None)
+    s1 = train_step(rng, s0)
+    with pytest.raises(WeightsError, match="parent_state"):
+        registry.publish(s1, parent=0, parent_state=train_step(rng, s0))
+    with pytest.raises(VersionNotFound):
+        registry.publish(s1, parent=5)
+    assert [i.version for i in registry.versions()] == [0]
+    assert len(store.list("line-p/")) == 1  # nothing left behind by the refused publishes
+
+    forced = registry.publish(s1, parent=0, parent_state=s0, force_full=True)
+    assert forced.kind == "full" and forced.parent == 0 and forced.fraction_changed is not None
+    # A state with nothing in common with its parent is stored in full: the delta is not smaller.
+    fresh = make_state(rng)
+    assert registry.publish(fresh, parent=1, parent_state=s1).kind == "full"
+
+
+class _StaleRegistry(Registry):
+    """A publisher that read the version counter just before another one published."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.stale = True
+
+    def _next_version(self) -> int:
+        if self.stale:
+            self.stale = False
+            return super()._next_version() - 1
+        return super()._next_version()
+
+
+def test_version_numbers_are_never_reused(sessions, store, rng: random.Random) -> None:
+    registry = Registry(sessions, store, "line-r")
+    s0 = make_state(rng)
+    registry.publish(s0, parent=None)
+    racer = _StaleRegistry(sessions, store, "line-r")
+    s1 = train_step(rng, s0)
+    info = racer.publish(s1, parent=0, parent_state=s0)
+    assert info.version == 1 and not racer.stale
+    assert sorted(store.list("line-r/")) == sorted(i.store_key for i in registry.versions())
+    assert_bit_exact(registry.load(0), s0)  # the loser's upload did not touch version 0's object
+
+    # Real concurrent publishers (threads, one session each) get distinct numbers.
+    results: list[int] = []
+    errors: list[BaseException] = []
+    states = {}
+
+    def publisher(seed: int) -> None:
+        local = Registry(sessions, store, "line-r")
+        try:
+            for _ in range(3):
+                state = train_step(random.Random(seed), s1)
+                info = local.publish(state, parent=1, parent_state=s1)
+                states[info.version] = state
+                results.append(info.version)
+                seed += 1000
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=publisher, args=(rng.getrandbits(32),)) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert sorted(results) == list(range(2, 11))
+    for version, state in states.items():
+        assert_bit_exact(registry.load(version), state)
+
+
+# --- store --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "key",
+    ["../x", "/etc/passwd", "a/../../x", "a/./b", "a\\b", "a\x00b", "", "a//b", "a/", ".hidden", "a/..", "sp ace", "é"],
+)
+def test_store_rejects_unsafe_keys(store: FolderStore, key: str) -> None:
+    with pytest.raises(InvalidKey):
+        store.put(key, b"x")
+    with pytest.raises(InvalidKey):
+        store.get(key)
+    with pytest.raises(InvalidKey):
+        store.exists(key)
+    with pytest.raises(InvalidKey):
+        store.delete(key)
+    assert not (store.root.parent / "x").exists()
+
+
+def test_store_rejects_symlink_escape(tmp_path: Path) -> None:
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "secret").write_bytes(b"s3cret")
+    store = FolderStore(tmp_path / "root")
+    store.put("ok/a", b"1")
+    os.symlink(outside, store.root / "link")
+    with pytest.raises(InvalidKey, match="outside"):
+        store.get("link/secret")
+    with pytest.raises(InvalidKey, match="outside"):
+        store.put("link/new", b"x")
+    assert not (outside / "new").exists()
+    with pytest.raises(InvalidKey):
+        Registry(None, store, "../evil")  # type: ignore[arg-type]
+
+
+def test_store_put_is_atomic_and_listable(store: FolderStore) -> None:
+    store.put("m/v1.full", b"one")
+    store.put("m/v1.full", b"uno")  # replace
+    store.put("m/v2.delta", b"two")
+    store.put("n/v1.full", b"")
+    assert store.get("m/v1.full") == b"uno" and store.get("n/v1.full") == b""
+    assert store.list() == ["m/v1.full", "m/v2.delta", "n/v1.full"]
+    assert store.list("m/") == ["m/v1.full", "m/v2.delta"]
+    assert not [p for p in store.root.rglob("*") if p.name.startswith(".")]  # no temp files left
+    store.delete("m/v2.delta")
+    store.delete("m/v2.delta")  # idempotent
+    assert not store.exists("m/v2.delta")
+    with pytest.raises(ObjectNotFound):
+        store.get("m/v2.delta")
+    with pytest.raises(ObjectNotFound):
+        store.get("m")  # a folder is not an object
+
+
+def test_make_store_follows_settings(tmp_path: Path) -> None:
+    settings = load_settings(data_dir=str(tmp_path))
+    store = make_store(settings)
+    assert isinstance(store, FolderStore) and store.root == tmp_path / "weights"
+    with pytest.raises(NotImplementedError):
+        make_store(load_settings(data_dir=str(tmp_path), store={"kind": "s3", "bucket": "b"}))

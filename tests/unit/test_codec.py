@@ -1,0 +1,364 @@
+"""The weight codec: canonical hashing, full checkpoints, and lossless deltas on fresh random states."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from flywheel.weights import codec
+from flywheel.weights.codec import (
+    DeltaError,
+    apply_delta,
+    count_changed,
+    decode_full,
+    delta_stats,
+    encode_delta,
+    encode_full,
+    read_delta_header,
+    state_sha256,
+)
+
+pytestmark = pytest.mark.unit
+
+FLOATS = (torch.bfloat16, torch.float16, torch.float32)
+SHAPES = ((), (0,), (3, 0), (1,), (7,), (33, 17), (4, 5, 6), (257, 64))
+INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_SPECIAL_BITS = {  # bit patterns: NaN payloads, -NaN, +-inf, +-0, denormals, largest finite
+    torch.bfloat16: [0x7FC0, 0x7F81, 0xFFC1, 0x7F80, 0xFF80, 0x0000, 0x8000, 0x0001, 0x8001, 0x7F7F],
+    torch.float16: [0x7E00, 0x7C01, 0xFE01, 0x7C00, 0xFC00, 0x0000, 0x8000, 0x0001, 0x83FF, 0x7BFF],
+    torch.float32: [
+        0x7FC00000, 0x7F800001, 0xFFC00001, 0x7F800000, 0xFF800000, 0, 0x80000000, 1, 0x807FFFFF, 0x7F7FFFFF
+    ],
+}
+
+
+def _signed(value: int, width_bits: int) -> int:
+    return value - (1 << width_bits) if value >= 1 << (width_bits - 1) else value
+
+
+SPECIALS = {  # the same patterns as the signed integers that torch's int views hold
+    dtype: [_signed(v, 8 * torch.empty((), dtype=dtype).element_size()) for v in values]
+    for dtype, values in _SPECIAL_BITS.items()
+}
+
+
+@pytest.fixture
+def rng() -> random.Random:
+    """A fresh seed every run; printed so a failure can be replayed."""
+    seed = random.SystemRandom().getrandbits(32)
+    print(f"codec test seed: {seed}")
+    return random.Random(seed)
+
+
+def gen(rng: random.Random) -> torch.Generator:
+    return torch.Generator().manual_seed(rng.getrandbits(63))
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(INT_VIEW[t.element_size()])
+
+
+def random_state(rng: random.Random, n: int = 12) -> dict[str, torch.Tensor]:
+    g = gen(rng)
+    state = {}
+    for i in range(n):
+        dtype = FLOATS[i % len(FLOATS)]
+        shape = SHAPES[rng.randrange(len(SHAPES))]
+        state[f"layers.{i}.w"] = (torch.randn(shape, generator=g) * rng.choice([0.02, 1.0, 300.0])).to(dtype)
+    state["scalar"] = torch.tensor(rng.random(), dtype=torch.bfloat16)
+    state["steps"] = torch.randint(-(2**40), 2**40, (19,), generator=g)
+    return state
+
+
+def perturb(rng: random.Random, state: dict[str, torch.Tensor], fraction: float) -> dict[str, torch.Tensor]:
+    """Move ``fraction`` of the elements by +-1-2 ULP; also a few arbitrary changes, sign flips and
+    special bit patterns."""
+    g = gen(rng)
+    out = {}
+    for name, t in state.items():
+        new = t.clone()
+        if t.numel() and t.dtype in FLOATS:
+            b = bits(new).reshape(-1)
+            n = b.numel()
+            moved = torch.rand(n, generator=g) < fraction
+            step = torch.randint(1, 3, (n,), generator=g, dtype=b.dtype)
+            # One ULP towards or away from zero: the magnitude bits move by the step.
+            step = torch.where(torch.rand(n, generator=g) < 0.5, step, -step)
+            magnitude_ok = (b & torch.iinfo(b.dtype).max) > 2  # stay clear of wrapping across zero
+            b[:] = torch.where(moved & magnitude_ok, b + step, b)
+            for _ in range(rng.randrange(3)):
+                i = rng.randrange(n)
+                kind = rng.randrange(3)
+                if kind == 0:  # arbitrary bits
+                    b[i] = rng.randrange(torch.iinfo(b.dtype).min, torch.iinfo(b.dtype).max)
+                elif kind == 1:  # sign flip
+                    new.reshape(-1)[i] = -new.reshape(-1)[i]
+                else:
+                    b[i] = rng.choice(SPECIALS[t.dtype])
+        out[name] = new
+    return out
+
+
+def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert state_sha256(a) == state_sha256(b)
+    assert sorted(a) == sorted(b)
+    for name in a:
+        assert a[name].dtype == b[name].dtype and a[name].shape == b[name].shape, name
+        if a[name].numel():
+            assert torch.equal(bits(a[name]), bits(b[name])), name
+
+
+# --- hashing ------------------------------------------------------------------------------------
+
+
+def test_hash_is_canonical_and_sensitive_to_every_bit(rng: random.Random) -> None:
+    state = random_state(rng)
+    h = state_sha256(state)
+    reordered = {name: state[name].clone() for name in reversed(list(state))}
+    assert state_sha256(reordered) == h
+
+    big = next(n for n, t in state.items() if t.numel() > 1 and t.dtype in FLOATS)
+    strided = state[big].reshape(-1).flip(0).flip(0)  # same values, a fresh layout
+    assert state_sha256({**state, big: strided.reshape(state[big].shape)}) == h
+    transposed = state[big].reshape(-1, 1).t().contiguous().t()  # non-contiguous view
+    assert state_sha256({**state, big: transposed.reshape(state[big].shape)}) == h
+
+    flipped = {n: t.clone() for n, t in state.items()}
+    b = bits(flipped[big]).reshape(-1)
+    b[rng.randrange(b.numel())] ^= 1 << rng.randrange(8 * flipped[big].element_size())
+    assert state_sha256(flipped) != h
+
+    renamed = {("x" + n if n == big else n): t for n, t in state.items()}
+    assert state_sha256(renamed) != h
+    assert state_sha256({**state, big: state[big].unsqueeze(0)}) != h  # shape matters
+    half = torch.zeros(3, dtype=torch.float16)
+    assert state_sha256({"a": half}) != state_sha256({"a": half.view(torch.bfloat16)})  # dtype matters
+
+
+def test_full_checkpoint_round_trip(rng: random.Random) -> None:
+    state = random_state(rng)
+    state["tied"] = state["layers.0.w"]  # shared storage is written as two tensors
+    assert_same(decode_full(encode_full(state)), state)
+    with pytest.raises(DeltaError):
+        decode_full(b"not a safetensors file at all")
+
+
+# --- deltas -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.001, 0.02, 0.3, 1.0])
+def test_delta_round_trip_is_bit_exact(rng: random.Random, fraction: float) -> None:
+    old = random_state(rng)
+    new = perturb(rng, old, fraction)
+    delta = encode_delta(old, new)
+    result = apply_delta(old, delta)
+    assert_same(result, new)
+    assert read_delta_header(delta)[0].target_sha256 == state_sha256(new)
+
+
+def test_special_values_round_trip_in_every_float_dtype(rng: random.Random) -> None:
+    old, new = {}, {}
+    for dtype in FLOATS:
+        width_view = INT_VIEW[torch.empty((), dtype=dtype).element_size()]
+        patterns = torch.tensor(SPECIALS[dtype], dtype=torch.int64).to(width_view)
+        perm = torch.randperm(len(patterns), generator=gen(rng))
+        name = str(dtype)
+        old[name] = patterns.view(dtype)
+        new[name] = patterns[perm].view(dtype)  # every special becomes another special
+        old[name + ".nz"] = patterns.view(dtype)
+        new[name + ".nz"] = (-patterns.view(dtype).float()).to(dtype)  # sign flips of all of them
+    assert_same(apply_delta(old, encode_delta(old, new)), new)
+
+
+def test_structure_changes_are_coded_in_full(rng: random.Random) -> None:
+    old = random_state(rng)
+    new = perturb(rng, old, 0.01)
+    first, second, third = list(old)[:3]
+    new["added"] = torch.randn(5, 4, generator=gen(rng)).bfloat16()
+    del new[first]  # removed
+    new[second] = old[second].float()  # dtype change
+    new[third] = old[third].reshape(-1)  # shape change
+    delta = encode_delta(old, new)
+    schemes = {e["name"]: e["scheme"] for e in read_delta_header(delta)[0].tensors}
+    assert first not in schemes
+    assert schemes["added"] == "full"
+    assert schemes[second] == "full" or old[second].numel() == 0
+    assert schemes[third] in ("full", "same")  # an empty tensor reshaped is still empty
+    assert_same(apply_delta(old, delta), new)
+
+
+def test_unchanged_tensors_cost_nothing(rng: random.Random) -> None:
+    old = random_state(rng)
+    same = {n: t.clone() for n, t in old.items()}
+    delta = encode_delta(old, same)
+    header, offset = read_delta_header(delta)
+    assert offset == len(delta)  # header only, no payload
+    assert {e["scheme"] for e in header.tensors} == {"same"}
+
+    # One changed tensor among many unchanged: the unchanged ones add nothing to the payload.
+    name = next(n for n, t in old.items() if t.numel() > 100 and t.dtype in FLOATS)
+    one = dict(same)
+    one[name] = perturb(rng, {name: old[name]}, 0.05)[name]
+    alone = encode_delta({name: old[name]}, {name: one[name]})
+    together = encode_delta(old, one)
+    payload = lambda d: len(d) - read_delta_header(d)[1]  # noqa: E731
+    assert payload(together) == payload(alone)
+
+
+def test_one_ulp_on_two_percent_of_bf16_is_tiny() -> None:
+    seed = random.SystemRandom().getrandbits(32)
+    g = torch.Generator().manual_seed(seed)
+    old = {f"w{i}": (torch.randn(512, 512, generator=g) * 0.02).bfloat16() for i in range(4)}
+    new = {}
+    for name, t in old.items():
+        b = bits(t.clone())
+        moved = torch.rand(b.shape, generator=g) < 0.02
+        new[name] = torch.where(moved, b + 1, b).view(torch.bfloat16)
+    delta = encode_delta(old, new)
+    full = sum(t.numel() * 2 for t in new.values())
+    stats = delta_stats(old, new)
+    assert len(delta) < 0.05 * full, (seed, len(delta), full)
+    assert stats["bytes_delta"] == len(delta)
+    assert stats["bytes_delta"] < stats["bytes_xor_zstd"]  # better than the naive baseline
+    assert stats["bytes_entropy_floor"] <= stats["bytes_delta"]
+    assert_same(apply_delta(old, delta), new)
+
+
+def test_mostly_changed_tensor_falls_back_to_full(rng: random.Random) -> None:
+    g = gen(rng)
+    old = {"w": torch.randn(300, 200, generator=g).bfloat16()}
+    new = {"w": torch.randn(300, 200, generator=g).bfloat16()}
+    delta = encode_delta(old, new)
+    assert read_delta_header(delta)[0].tensors[0]["scheme"] == "full"
+    assert len(delta) < 300 * 200 * 2  # zstd over byte planes beats the raw bytes
+    assert_same(apply_delta(old, delta), new)
+
+
+def test_result_does_not_alias_the_base(rng: random.Random) -> None:
+    old = random_state(rng)
+    snapshot = state_sha256(old)
+    result = apply_delta(old, encode_delta(old, perturb(rng, old, 0.1)))
+    for t in result.values():
+        if t.numel():
+            bits(t).reshape(-1)[0] ^= 1
+    assert state_sha256(old) == snapshot
+
+
+def test_delta_stats_counts(rng: random.Random) -> None:
+    old = random_state(rng)
+    new = perturb(rng, old, 0.05)
+    stats = delta_stats(old, new)
+    changed, elements = count_changed(old, new)
+    assert (stats["changed"], stats["elements"]) == (changed, elements)
+    assert stats["fraction_changed"] == pytest.approx(changed / elements)
+    assert stats["bytes_full"] == sum(t.numel() * t.element_size() for t in new.values())
+    assert sum(r["elements"] for r in stats["by_dtype"].values()) == elements
+    assert set(stats["by_dtype"]) <= {"bfloat16", "float16", "float32", "int64"}
+
+
+# --- refusing bad input -------------------------------------------------------------------------
+
+
+def test_wrong_parent_is_refused(rng: random.Random) -> None:
+    old = random_state(rng)
+    new = perturb(rng, old, 0.02)
+    delta = encode_delta(old, new)
+    with pytest.raises(DeltaError, match="different parent"):
+        apply_delta(new, delta)
+    with pytest.raises(DeltaError, match="different parent"):
+        apply_delta(perturb(rng, old, 0.001) | {"extra": torch.zeros(1)}, delta)
+
+
+def test_truncated_deltas_are_refused(rng: random.Random) -> None:
+    old = random_state(rng)
+    delta = encode_delta(old, perturb(rng, old, 0.05))
+    cuts = {0, 4, 8, 13, len(delta) - 1} | {rng.randrange(len(delta)) for _ in range(40)}
+    for cut in sorted(cuts):
+        with pytest.raises(DeltaError):
+            apply_delta(old, delta[:cut])
+    with pytest.raises(DeltaError, match="trailing"):
+        apply_delta(old, delta + b"\x00")
+
+
+def test_corrupted_deltas_never_yield_wrong_weights(rng: random.Random) -> None:
+    old = random_state(rng)
+    new = perturb(rng, old, 0.05)
+    delta = encode_delta(old, new)
+    target = state_sha256(new)
+    _, payload_start = read_delta_header(delta)
+    refused = 0
+    trials = 120
+    for _ in range(trials):
+        corrupt = bytearray(delta)
+        i = rng.randrange(len(corrupt)) if rng.random() < 0.3 else rng.randrange(payload_start, len(corrupt))
+        corrupt[i] ^= 1 << rng.randrange(8)
+        try:
+            result = apply_delta(old, bytes(corrupt))
+        except DeltaError:
+            refused += 1
+            continue
+        assert state_sha256(result) == target  # a flip that changes nothing is harmless
+    assert refused > trials * 0.8
+    with pytest.raises(DeltaError, match="magic"):
+        apply_delta(old, b"XX" + delta[2:])
+    version_bumped = delta[:8] + (codec.FORMAT_VERSION + 1).to_bytes(2, "little") + delta[10:]
+    with pytest.raises(DeltaError, match="format version"):
+        apply_delta(old, version_bumped)
+
+
+def test_garbage_header_is_refused(rng: random.Random) -> None:
+    old = random_state(rng)
+    base = state_sha256(old)
+    headers = [
+        b"{",
+        b"[]",
+        b'{"base_sha256": 1}',
+        b'{"base_sha256":"%s","target_sha256":"x","tensors":[{"name":"a"}]}' % base.encode(),
+        b'{"base_sha256":"%s","target_sha256":"x","tensors":[{"name":"a","scheme":"sparse","dtype":"float32",'
+        b'"shape":[2],"len":0}]}' % base.encode(),
+    ]
+    for header in headers:
+        blob = codec.MAGIC + codec._PREFIX.pack(codec.FORMAT_VERSION, len(header)) + header
+        with pytest.raises(DeltaError):
+            apply_delta(old, blob)
+
+
+# --- the integer machinery ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [np.uint16, np.uint32])
+def test_float_keys_are_monotone_and_bijective(rng: random.Random, dtype: type) -> None:
+    width = np.dtype(dtype).itemsize
+    raw = np.random.default_rng(rng.getrandbits(64)).integers(0, 2 ** (8 * width), 5000, dtype=dtype)
+    keys = codec._keys(raw, True)
+    assert np.array_equal(codec._unkeys(keys, True), raw)
+    as_float = raw.view(np.float16 if width == 2 else np.float32)
+    finite = np.isfinite(as_float)
+    floats = as_float[finite].astype(np.float64)
+    order = np.argsort(keys[finite], kind="stable")
+    assert np.all(np.diff(floats[order]) >= 0)  # key order is value order
+    one = np.array([0x3F80], dtype=np.uint16)  # bf16 1.0 and its next value up: a step of +1
+    assert codec._zigzag(codec._keys(one + 1, True) - codec._keys(one, True))[0] == 2
+
+
+def test_integer_streams_round_trip_including_escapes(rng: random.Random) -> None:
+    import zstandard
+
+    cctx, dctx = zstandard.ZstdCompressor(), zstandard.ZstdDecompressor()
+    edges = [0, 1, 254, 255, 256, 65534, 65535, 65536, 2**32 - 2, 2**32 - 1, 2**32, 2**64 - 1]
+    gen_np = np.random.default_rng(rng.getrandbits(64))
+    cases = [
+        np.array(edges, dtype=np.uint64),
+        gen_np.geometric(0.05, 10_000).astype(np.uint64),
+        np.concatenate([gen_np.integers(0, 200, 5000), gen_np.integers(0, 2**63, 20)]).astype(np.uint64),
+        gen_np.integers(0, 2**16, 3000).astype(np.uint16),
+        np.array([], dtype=np.uint64),
+    ]
+    for values in cases:
+        packed = codec._pack(values, cctx)
+        assert np.array_equal(codec._unpack(packed, values.size, dctx, "t"), values.astype(np.uint64))
+    with pytest.raises(DeltaError):
+        codec._unpack(codec._pack(cases[1], cctx), cases[1].size + 1, dctx, "t")

@@ -1,0 +1,141 @@
+"""Advantages and the policy-gradient loss: pure tensor maths, no model, no IO.
+
+Shapes: ``B`` rows (one row per segment of a trajectory), ``T`` positions (padded). Position ``t``
+of every ``[B, T]`` tensor refers to token ``t`` of the row; ``mask`` is 1.0 on trainable tokens
+(completion tokens of real turns) and 0.0 on prompts and padding.
+
+The objective (per trainable token, ``A`` its advantage, ``r = exp(logp_new - logp_behaviour)``
+the importance ratio between the policy being trained and the version that served the token)::
+
+    surrogate = min(r * A, clip(r, 1 - eps, 1 + eps) * A)           # PPO-clip, against behaviour
+    gradient  = min(r, cap) * A * grad(logp_new)  where the min picks the unclipped branch,
+                0                                  where it picks the clipped branch
+    loss      = -sum(mask * surrogate) / sum(mask)                     # token mean
+
+i.e. PPO-clip whose importance weight is truncated at ``cap`` (truncated importance sampling,
+the weight detached). Without the truncation, a negative-advantage token whose ratio has grown far
+above ``1 + eps`` keeps the unbounded gradient ``r * A`` (the min selects ``r * A`` there); the
+cap bounds it by ``cap * |A|``, so stale or mismatched tokens cannot dominate a step. Where
+``r <= cap`` the gradient is exactly PPO's. The reported loss value equals the PPO surrogate
+except on truncated tokens, where it is ``cap * A``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from flywheel.events import Segment
+
+
+def group_baselines(samples: Sequence[tuple[str | None, Sequence[float]]]) -> list[float]:
+    """One baseline per sample of a batch, given ``(prompt_key, turn_rewards)`` pairs.
+
+    Samples sharing a prompt key with at least one other sample of the batch get their group's mean
+    turn reward (group-relative, as in GRPO); the others get the mean turn reward of the whole batch.
+    Turn rewards rather than totals, so multi-turn samples are compared with single-turn ones on the
+    scale their tokens are credited on.
+    """
+    all_rewards = [r for _, rewards in samples for r in rewards]
+    batch_mean = sum(all_rewards) / len(all_rewards) if all_rewards else 0.0
+    groups: dict[str, list[float]] = {}
+    counts: dict[str, int] = {}
+    for key, rewards in samples:
+        if key is not None:
+            groups.setdefault(key, []).extend(rewards)
+            counts[key] = counts.get(key, 0) + 1
+    out = []
+    for key, _ in samples:
+        if key is not None and counts[key] >= 2 and groups[key]:
+            out.append(sum(groups[key]) / len(groups[key]))
+        else:
+            out.append(batch_mean)
+    return out
+
+
+def token_advantages(turn_rewards: Sequence[float], segments: Sequence[Segment], baseline: float) -> list[torch.Tensor]:
+    """Per-token advantages, one float32 tensor ``[len(segment.tokens)]`` per segment.
+
+    Turn ``i`` (in turn order across segments) gives its completion tokens ``turn_rewards[i] -
+    baseline``; every other position is 0.
+    """
+    turns = [turn for segment in segments for turn in segment.turns]
+    if len(turns) != len(turn_rewards):
+        raise ValueError(f"{len(turn_rewards)} turn rewards for {len(turns)} turns")
+    out: list[torch.Tensor] = []
+    i = 0
+    for segment in segments:
+        adv = torch.zeros(len(segment.tokens), dtype=torch.float32)
+        for turn in segment.turns:
+            adv[turn.start : turn.end] = float(turn_rewards[i]) - baseline
+            i += 1
+        out.append(adv)
+    return out
+
+
+@dataclass(frozen=True)
+class LossOutput:
+    #: Scalar to minimise (carries the gradient).
+    loss: torch.Tensor
+    #: Fraction of trainable tokens where the clipped branch was selected (no gradient).
+    clip_frac: float
+    #: Fraction of trainable tokens whose ratio exceeded the truncation cap.
+    trunc_frac: float
+    #: Mean importance ratio over trainable tokens.
+    mean_ratio: float
+    #: Mean ``|logp_new - logp_behaviour|`` over trainable tokens (train/serve mismatch + staleness).
+    mean_abs_log_ratio: float
+    #: Number of trainable tokens.
+    tokens: int
+
+
+def policy_loss(
+    logp_new: torch.Tensor,
+    logp_behaviour: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_eps: float,
+    is_cap: float,
+) -> LossOutput:
+    """Clipped, truncated-IS policy-gradient loss (module docstring). All inputs ``[B, T]``;
+    only ``logp_new`` needs a gradient. A batch without trainable tokens gives a zero loss."""
+    if not (logp_new.shape == logp_behaviour.shape == advantages.shape == mask.shape):
+        raise ValueError(
+            f"shape mismatch: {tuple(logp_new.shape)} {tuple(logp_behaviour.shape)} "
+            f"{tuple(advantages.shape)} {tuple(mask.shape)}"
+        )
+    on = mask > 0
+    mask = on.to(logp_new.dtype)
+    # Zero every input off the mask, so junk on padding (even -inf) never reaches a value or a gradient.
+    zero = torch.zeros((), dtype=logp_new.dtype, device=logp_new.device)
+    logp_new = torch.where(on, logp_new, zero)
+    logp_behaviour = torch.where(on, logp_behaviour.to(logp_new.dtype), zero)
+    advantages = torch.where(on, advantages.to(logp_new.dtype), zero)
+    log_ratio = logp_new - logp_behaviour
+    ratio = torch.exp(log_ratio)
+    ratio_d = ratio.detach()
+    clipped_ratio = ratio_d.clamp(1.0 - clip_eps, 1.0 + clip_eps)
+    # The min of PPO picks the clipped branch when it is strictly smaller.
+    clipped = (clipped_ratio * advantages) < (ratio_d * advantages)
+    weight = ratio_d.clamp(max=is_cap)
+    # Value: weight * A; gradient: weight * A * grad(logp_new) (exp(x - x.detach()) is 1 with grad 1).
+    unclipped_term = weight * torch.exp(logp_new - logp_new.detach()) * advantages
+    surrogate = torch.where(clipped, clipped_ratio * advantages, unclipped_term)
+    loss = -(surrogate * mask).sum() / mask.sum().clamp(min=1.0)
+    with torch.no_grad():
+        count = int(on.sum().item())
+        safe = max(count, 1)
+        clip_frac = float((clipped & on).sum().item()) / safe
+        trunc_frac = float(((ratio_d > is_cap) & on).sum().item()) / safe
+        mean_ratio = float((ratio_d * mask).sum().item()) / safe
+        mean_abs = float((log_ratio.abs()).sum().item()) / safe
+    return LossOutput(
+        loss=loss,
+        clip_frac=clip_frac,
+        trunc_frac=trunc_frac,
+        mean_ratio=mean_ratio,
+        mean_abs_log_ratio=mean_abs,
+        tokens=count,
+    )

@@ -1,0 +1,188 @@
+"""The trainer recipe: scored trajectories in, published model versions out, continuously.
+
+``train(settings, stop)`` reads top to bottom: setup -> loop (consume -> buffer -> step) ->
+publish every ``trainer.steps_per_version`` steps -> cleanup.
+
+- Training continues from the newest published version of the model line, whatever its status
+  (the registry is the checkpoint); an empty registry is seeded with the base model as a full
+  version. Master weights are fp32; versions are the bf16 export (``tinymodel.export_state``),
+  published as a delta against the previous version when that is smaller.
+- Off-policy data is explicit: every sample carries its behaviour versions, the buffer drops (and
+  counts) samples more than ``trainer.max_staleness`` versions old, and the loss corrects for the
+  rest with a clipped, truncated importance ratio against the served logprobs (``trainer.loss``).
+- Baselines are group-relative per ``prompt_key`` when a batch holds two or more samples of one
+  prompt, else the batch mean (``trainer.loss.group_baselines``).
+- Offsets are committed only when a version is published, so the samples trained since the last
+  version are consumed again after a crash and re-trained on top of that version. The optimizer
+  state is not persisted (Adam moments restart at zero after a restart).
+- Parity (reported with each version): mean ``|logp_train - logp_served|`` over trainable tokens of
+  samples served by the version being trained. It measures the train/inference numerical mismatch,
+  measured with the live fp32 master, so it also includes the drift of the steps since the last
+  publish (exact at ``lr = 0``).
+- Position ``t`` of ``logp_new`` is ``log p(token t | tokens < t)`` at temperature 1, which is what
+  the served logprobs are when the engine samples at temperature 1 (the wire contract does not yet
+  carry per-turn sampling temperature; see the report).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+from statistics import fmean
+from typing import Any
+
+import torch
+
+from flywheel.bus import make_bus
+from flywheel.db.session import make_engine, make_session_factory, upgrade, wait_for_db
+from flywheel.events import ScoredTrajectory
+from flywheel.settings import Settings, TrainerSettings
+from flywheel.tinymodel.build import ensure_default_model
+from flywheel.tinymodel.sampling import export_state, load_model, load_state
+from flywheel.weights.registry import Registry
+from flywheel.weights.store import make_store
+from trainer.buffer import OffsetTracker, SampleBuffer, behaviour_version, collate
+from trainer.loss import group_baselines, policy_loss
+
+log = logging.getLogger("flywheel.trainer")
+
+POLL_TIMEOUT_S = 0.5
+MAX_RECORDS = 200
+MAX_GRAD_NORM = 1.0
+
+
+def train(settings: Settings, stop: threading.Event | None = None) -> None:
+    """Train until ``stop`` is set (see the module docstring)."""
+    stop = stop or threading.Event()
+    cfg = settings.trainer
+
+    # --- setup -----------------------------------------------------------------------------------
+    url = settings.database_url
+    wait_for_db(url, settings.db.wait_s)
+    upgrade(url)
+    engine = make_engine(url)
+    registry = Registry(make_session_factory(engine), make_store(settings), settings.model.line, full_every=cfg.full_every)
+    torch.manual_seed(cfg.seed)
+    model_path = Path(settings.model.path) if settings.model.path else ensure_default_model(settings.data_path / "models")
+    model, _tokenizer = load_model(model_path)
+    latest = registry.latest()
+    if latest is None:
+        latest = registry.publish(export_state(model), parent=None, train_step=0, metrics={"base": str(model_path)})
+        log.info("seeded %s with the base model as v%d (%d bytes)", settings.model.line, latest.version, latest.bytes)
+    published = registry.load(latest.version)  # the bf16 weights of the version being trained
+    load_state(model, published)
+    model.float().eval()  # fp32 master; eval: no dropout, the same function the engine served
+    for p in model.parameters():
+        p.requires_grad_(True)
+    current = latest.version
+    step = latest.train_step or 0
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    buffer = SampleBuffer(cfg.max_staleness)
+    offsets = OffsetTracker()
+    window: list[dict[str, float]] = []  # per-step metrics since the last published version
+
+    bus = make_bus(settings)
+    topic = settings.topic("scored")
+    bus.ensure_topics([topic])
+    consumer = bus.consumer("trainer", [topic])
+    log.info("training %s from v%d (step %d), lr=%g, batch %d", settings.model.line, current, step, cfg.lr, cfg.batch_size)
+
+    # --- loop ------------------------------------------------------------------------------------
+    try:
+        while not stop.is_set():
+            for record in consumer.poll(timeout_s=POLL_TIMEOUT_S, max_records=MAX_RECORDS):
+                offsets.track(record)
+                try:
+                    sample = ScoredTrajectory.from_bytes(record.value)
+                except ValueError as exc:
+                    consumer.dead_letter(record, f"undecodable ScoredTrajectory: {exc}"[:1000])
+                    offsets.done(record)
+                    continue
+                if buffer.add(sample, record, current) is not None:
+                    offsets.done(record)
+            for entry in buffer.purge_stale(current):
+                offsets.done(entry.record)
+
+            while not stop.is_set() and (batch := buffer.take(cfg.batch_size)):
+                window.append(train_step(model, optimizer, [e.sample for e in batch], current, cfg))
+                step += 1
+                for entry in batch:
+                    offsets.done(entry.record)
+                if step % cfg.steps_per_version:
+                    continue
+                # --- publish -------------------------------------------------------------------
+                state = export_state(model)
+                info = registry.publish(
+                    state, parent=current, parent_state=published, train_step=step,
+                    metrics=summarise(window, buffer.counters()),
+                )
+                log.info(
+                    "published v%d (%s, %d bytes, %.1f%% of full) at step %d: %s",
+                    info.version, info.kind, info.bytes, 100.0 * info.bytes / max(info.full_bytes, 1), step,
+                    {k: round(v, 4) for k, v in info.metrics.items() if isinstance(v, float)},
+                )
+                current, published, window = info.version, state, []
+                done = offsets.committable()
+                if done:
+                    consumer.commit(done)
+                for entry in buffer.purge_stale(current):
+                    offsets.done(entry.record)
+    finally:
+        # --- cleanup -----------------------------------------------------------------------------
+        log.info("trainer stopping at step %d, v%d: %s", step, current, buffer.counters())
+        consumer.close()
+        bus.close()
+        engine.dispose()
+
+
+def train_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    samples: list[ScoredTrajectory],
+    current_version: int,
+    cfg: TrainerSettings,
+) -> dict[str, float]:
+    """One optimizer step on ``samples``; returns its metrics."""
+    baselines = group_baselines([(s.prompt_key, s.turn_rewards) for s in samples])
+    batch = collate(samples, baselines)
+    logits = model(input_ids=batch.tokens, attention_mask=batch.attention).logits.float()  # [B, T, V]
+    # logp_new[:, t] = log p(tokens[:, t] | tokens[:, :t]); position 0 has no context (never trainable).
+    picked = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, batch.tokens[:, 1:, None]).squeeze(-1)
+    logp_new = torch.cat([torch.zeros_like(picked[:, :1]), picked], dim=1)  # [B, T]
+    out = policy_loss(logp_new, batch.logp_behaviour, batch.advantages, batch.mask, cfg.clip_eps, cfg.is_truncation)
+    optimizer.zero_grad(set_to_none=True)
+    out.loss.backward()
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM))
+    optimizer.step()
+
+    metrics = {
+        "loss": float(out.loss.detach()),
+        "mean_reward": fmean(s.total_reward for s in samples),
+        "clip_frac": out.clip_frac,
+        "trunc_frac": out.trunc_frac,
+        "mean_ratio": out.mean_ratio,
+        "grad_norm": grad_norm,
+        "tokens": float(out.tokens),
+        "samples": float(len(samples)),
+    }
+    on_policy = torch.tensor([behaviour_version(samples[i]) == current_version for i in batch.row_sample.tolist()])
+    parity_mask = batch.mask * on_policy[:, None].float()
+    if parity_mask.sum() > 0:
+        diff = (logp_new.detach() - batch.logp_behaviour).abs() * parity_mask
+        metrics["parity"] = float(diff.sum() / parity_mask.sum())
+    return metrics
+
+
+def summarise(window: list[dict[str, float]], counters: dict[str, int]) -> dict[str, Any]:
+    """The metrics recorded with a version: step means (sums for counts) plus the buffer counters."""
+    out: dict[str, Any] = {}
+    for key in ("loss", "mean_reward", "clip_frac", "trunc_frac", "mean_ratio", "grad_norm", "parity"):
+        values = [m[key] for m in window if key in m]
+        if values:
+            out[key] = fmean(values)
+    out["samples"] = int(sum(m["samples"] for m in window))
+    out["tokens"] = int(sum(m["tokens"] for m in window))
+    out["steps"] = len(window)
+    out.update(counters)
+    return out
