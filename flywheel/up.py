@@ -3,7 +3,8 @@
 Each role runs exactly as ``flywheel <role>`` would, in a child process that reads the same
 effective settings (written once to ``{data_dir}/effective-settings.json``), so what runs under
 ``up`` is what runs alone in production. Before any child starts, ``up`` waits for the database,
-upgrades it and builds the default model, so children never race to do either.
+upgrades it, builds the default model and registers it as version 0, so children never race to
+do any of that.
 
 A child that exits on its own is restarted with backoff (and counted); SIGTERM/SIGINT stops all
 children gracefully (SIGTERM, then SIGKILL after a grace period).
@@ -42,7 +43,21 @@ def prepare(settings: Settings) -> Settings:
 
         path = ensure_default_model(settings.data_path / "models")
         settings = settings.model_copy(update={"model": settings.model.model_copy(update={"path": str(path)})})
+    register_base(settings)
     return settings
+
+
+def register_base(settings: Settings) -> None:
+    """Register the base model as stable version 0 of its line when the registry is empty."""
+    from flywheel.db.session import make_engine, make_session_factory
+    from flywheel.tinymodel.sampling import export_state, load_model
+    from flywheel.weights.registry import Registry
+    from flywheel.weights.store import make_store
+
+    registry = Registry(make_session_factory(make_engine(settings.database_url)), make_store(settings), settings.model.line)
+    if registry.latest() is None:
+        info = registry.ensure_base(export_state(load_model(settings.model.path)[0]), reason=f"base model {settings.model.path}")
+        log.info("registered the base model as %s v%d", settings.model.line, info.version)
 
 
 @dataclass

@@ -35,7 +35,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from flywheel.bus import Consumer, Producer, Record, make_bus
 from flywheel.db.session import make_engine, make_session_factory, upgrade, wait_for_db
-from flywheel.events import FeedbackEvent, GenerationEvent, TrajectoryEvent
+from flywheel.events import FeedbackEvent, GenerationEvent
 from flywheel.settings import Settings
 from ingest import store
 from ingest.assemble import ClosedReason, assemble

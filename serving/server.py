@@ -39,7 +39,10 @@ def serve(
     log_level: str = "warning",
 ) -> None:
     """Serve ``app`` until ``stop`` is set (or SIGINT/SIGTERM when run in the main thread)."""
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(), access_log=False, lifespan="on")
+    # log_config=None: uvicorn must not reconfigure the process's logging (the entry point owns it).
+    config = uvicorn.Config(
+        app, host=host, port=port, log_level=log_level.lower(), log_config=None, access_log=False, lifespan="on"
+    )
     server = uvicorn.Server(config)
     done = threading.Event()
 

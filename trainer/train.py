@@ -16,9 +16,9 @@ publish every ``trainer.steps_per_version`` steps -> cleanup.
   version are consumed again after a crash and re-trained on top of that version. The optimizer
   state is not persisted (Adam moments restart at zero after a restart).
 - Parity (reported with each version): mean ``|logp_train - logp_served|`` over trainable tokens of
-  samples served by the version being trained. It measures the train/inference numerical mismatch,
-  measured with the live fp32 master, so it also includes the drift of the steps since the last
-  publish (exact at ``lr = 0``).
+  samples served by the version being trained, measured on the first step after that version was
+  loaded or published, where the fp32 master still equals it (up to bf16 rounding, itself part of
+  the train/inference mismatch this measures); later steps have moved the master away.
 - Position ``t`` of ``logp_new`` is ``log p(token t | tokens < t)`` at temperature 1, which is what
   the served logprobs are when the engine samples at temperature 1 (the wire contract does not yet
   carry per-turn sampling temperature; see the report).
@@ -67,9 +67,11 @@ def train(settings: Settings, stop: threading.Event | None = None) -> None:
     model_path = Path(settings.model.path) if settings.model.path else ensure_default_model(settings.data_path / "models")
     model, _tokenizer = load_model(model_path)
     latest = registry.latest()
-    if latest is None:
-        latest = registry.publish(export_state(model), parent=None, train_step=0, metrics={"base": str(model_path)})
-        log.info("seeded %s with the base model as v%d (%d bytes)", settings.model.line, latest.version, latest.bytes)
+    while latest is None:  # the node (or `flywheel up`) registers the base model as version 0
+        log.info("waiting for a first version of %s in the registry", settings.model.line)
+        if stop.wait(2.0):
+            return
+        latest = registry.latest()
     published = registry.load(latest.version)  # the bf16 weights of the version being trained
     load_state(model, published)
     model.float().eval()  # fp32 master; eval: no dropout, the same function the engine served
@@ -105,7 +107,8 @@ def train(settings: Settings, stop: threading.Event | None = None) -> None:
                 offsets.done(entry.record)
 
             while not stop.is_set() and (batch := buffer.take(cfg.batch_size)):
-                window.append(train_step(model, optimizer, [e.sample for e in batch], current, cfg))
+                samples = [e.sample for e in batch]
+                window.append(train_step(model, optimizer, samples, current, cfg, measure_parity=not window))
                 step += 1
                 for entry in batch:
                     offsets.done(entry.record)
@@ -142,8 +145,10 @@ def train_step(
     samples: list[ScoredTrajectory],
     current_version: int,
     cfg: TrainerSettings,
+    *,
+    measure_parity: bool = False,
 ) -> dict[str, float]:
-    """One optimizer step on ``samples``; returns its metrics."""
+    """One optimizer step on ``samples``; returns its metrics (``parity`` when asked and measurable)."""
     baselines = group_baselines([(s.prompt_key, s.turn_rewards) for s in samples])
     batch = collate(samples, baselines)
     logits = model(input_ids=batch.tokens, attention_mask=batch.attention).logits.float()  # [B, T, V]
@@ -166,6 +171,8 @@ def train_step(
         "tokens": float(out.tokens),
         "samples": float(len(samples)),
     }
+    if not measure_parity:
+        return metrics
     on_policy = torch.tensor([behaviour_version(samples[i]) == current_version for i in batch.row_sample.tolist()])
     parity_mask = batch.mask * on_policy[:, None].float()
     if parity_mask.sum() > 0:

@@ -16,6 +16,8 @@ Invariants:
 
 from __future__ import annotations
 
+import threading
+
 import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -140,18 +142,23 @@ def _alembic_config(url: str | URL) -> Any:
     return config
 
 
+_MIGRATION_LOCK = threading.Lock()
+
+
 def upgrade(url: str | URL, rev: str = "head") -> None:
     """Run the Alembic migrations on ``url`` up to ``rev`` (default: the newest)."""
     from alembic import command
 
-    command.upgrade(_alembic_config(url), rev)
+    with _MIGRATION_LOCK:  # Alembic's migration context is global to the process
+        command.upgrade(_alembic_config(url), rev)
 
 
 def downgrade(url: str | URL, rev: str = "base") -> None:
     """Run the Alembic migrations on ``url`` down to ``rev`` (default: an empty schema)."""
     from alembic import command
 
-    command.downgrade(_alembic_config(url), rev)
+    with _MIGRATION_LOCK:
+        command.downgrade(_alembic_config(url), rev)
 
 
 def insert_ignore(session: Session, model: type[Any], rows: Iterable[Mapping[str, Any]]) -> int:

@@ -99,7 +99,10 @@ def generate(
         input_ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
         mask[i, width - len(p) :] = 1
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True)
+    # Without padding the causal mask is implicit; building an explicit one costs more than the
+    # model itself at this size (a single request, the serving common case, has no padding).
+    padded = any(len(p) != width for p in prompts)
+    out = model(input_ids=input_ids, attention_mask=mask if padded else None, position_ids=positions, use_cache=True)
     past = out.past_key_values
     logits = out.logits[:, -1, :]
     next_pos = positions[:, -1] + 1
@@ -118,7 +121,7 @@ def generate(
         mask = torch.cat([mask, torch.ones((n, 1), dtype=torch.long)], dim=1)
         out = model(
             input_ids=ids[:, None],
-            attention_mask=mask,
+            attention_mask=mask if padded else None,
             position_ids=next_pos[:, None],
             past_key_values=past,
             use_cache=True,

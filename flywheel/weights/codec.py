@@ -349,16 +349,24 @@ def _encode_tensor(name: str, old: torch.Tensor | None, new: torch.Tensor) -> tu
 
 
 def encode_delta_with_summary(
-    old: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor]
+    old: Mapping[str, torch.Tensor],
+    new: Mapping[str, torch.Tensor],
+    *,
+    old_sha256: str | None = None,
+    new_sha256: str | None = None,
 ) -> tuple[bytes, DeltaSummary]:
-    """:func:`encode_delta`, also returning element counts and per-tensor entries."""
+    """:func:`encode_delta`, also returning element counts and per-tensor entries.
+
+    ``old_sha256`` / ``new_sha256``: the states' :func:`state_sha256` when the caller already has
+    them (saves hashing twice); a wrong value only makes the delta unusable, never wrong.
+    """
     names = list(new)
     total = sum(new[n].numel() for n in names)
     results = _map(lambda n: _encode_tensor(n, old.get(n), new[n]), names, total)
     entries = [entry for entry, _ in results]
     header = {
-        "base_sha256": state_sha256(old),
-        "target_sha256": state_sha256(new),
+        "base_sha256": old_sha256 if old_sha256 is not None else state_sha256(old),
+        "target_sha256": new_sha256 if new_sha256 is not None else state_sha256(new),
         "tensors": [{k: v for k, v in e.items() if k != "elements"} for e in entries],
     }
     head = json.dumps(header, separators=(",", ":")).encode()

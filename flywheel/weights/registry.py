@@ -136,6 +136,21 @@ class Registry:
             row = session.scalars(query.order_by(ModelVersion.version.desc()).limit(1)).first()
             return _info(row) if row is not None else None
 
+    def ensure_base(self, state: dict[str, Any], reason: str) -> VersionInfo:
+        """The line's stable version; on an empty line, publish ``state`` as a full stable version 0.
+
+        Two callers racing on an empty line may both publish (v0 and v1, identical weights);
+        harmless, and only start-up paths call this.
+        """
+        stable = self.latest("stable")
+        if stable is not None:
+            return stable
+        if self.latest() is None:
+            info = self.publish(state, parent=None, force_full=True, metrics={"base": reason})
+            self.set_status(info.version, "stable", reason=reason)
+            return self.get(info.version)
+        raise WeightsError(f"model line {self.model_line!r} has versions but none is stable; promote one")
+
     def versions(self) -> list[VersionInfo]:
         query = select(ModelVersion).where(ModelVersion.model_line == self.model_line)
         with self._sessions() as session:
@@ -204,7 +219,7 @@ class Registry:
         """Store ``state`` as the next version (status ``candidate``) and return it.
 
         A delta against ``parent`` when it is allowed (not ``force_full``, not an anchor version)
-        and smaller than the full checkpoint; otherwise a full checkpoint. ``parent_state`` must be
+        and under ``DELTA_MAX_RATIO`` of the full checkpoint's size; otherwise a full checkpoint. ``parent_state`` must be
         the parent's weights (checked by hash); it is loaded from the registry when omitted.
         """
         sha = state_sha256(state)
@@ -215,9 +230,6 @@ class Registry:
             if parent_state is not None and state_sha256(parent_state) != parent_sha:
                 raise WeightsError(f"parent_state does not match version {parent}'s recorded hash")
         fraction: float | None = None
-        if parent_state is not None:
-            changed, elements = count_changed(parent_state, state)
-            fraction = changed / elements if elements else 0.0
         delta_blob: bytes | None = None
 
         for _ in range(_PUBLISH_ATTEMPTS):
@@ -227,8 +239,13 @@ class Registry:
                 if parent_state is None:
                     assert parent is not None
                     parent_state = self.load(parent)
-                delta_blob, summary = encode_delta_with_summary(parent_state, state)
+                delta_blob, summary = encode_delta_with_summary(
+                    parent_state, state, old_sha256=parent_sha, new_sha256=sha
+                )
                 fraction = summary.fraction_changed
+            if fraction is None and parent_state is not None:
+                changed, elements = count_changed(parent_state, state)
+                fraction = changed / elements if elements else 0.0
             small = delta_blob is not None and len(delta_blob) < DELTA_MAX_RATIO * len(full_blob)
             kind = "delta" if not anchor and small else "full"
             data = delta_blob if kind == "delta" else full_blob

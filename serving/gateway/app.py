@@ -17,11 +17,12 @@ canaries pick the upstream per session), streaming (rejected with a 400 for now)
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
 import uuid
-from typing import Any
+from typing import Any, AsyncIterator
 
 import httpx
 from fastapi import FastAPI, Request
@@ -246,14 +247,27 @@ def _upstream_error(upstream: httpx.Response, headers: dict[str, str]) -> APIErr
 
 
 def create_app(settings: Settings, bus_producer: Any, http_client: httpx.AsyncClient) -> FastAPI:
+    """The gateway app. It owns ``http_client`` from now on: the client is closed at shutdown, inside
+    the event loop that used it. ``bus_producer`` stays the caller's to flush and close."""
     gateway = Gateway(settings, bus_producer, http_client)
-    app = FastAPI(title="flywheel gateway", docs_url=None, redoc_url=None)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        try:
+            yield
+        finally:
+            await http_client.aclose()
+
+    app = FastAPI(title="flywheel gateway", docs_url=None, redoc_url=None, lifespan=lifespan)
     app.state.gateway = gateway
     install_error_handlers(app)
 
     @app.middleware("http")
-    async def _session_and_errors(request: Request, call_next):  # type: ignore[no-untyped-def]
+    async def _echo_session_and_count_errors(request: Request, call_next):  # type: ignore[no-untyped-def]
         response = await call_next(request)
+        session = request.headers.get(SESSION_HEADER)
+        if session and SESSION_HEADER not in response.headers:
+            response.headers[SESSION_HEADER] = session
         if response.status_code >= 400:
             gateway.metrics.rejected.labels(status=str(response.status_code)).inc()
         return response

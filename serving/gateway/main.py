@@ -1,11 +1,10 @@
 """Entry point of the gateway role: build the bus producer and HTTP client, serve until stopped.
 
-Invariant: the producer is flushed and closed, and the HTTP client closed, however serving ends.
+Invariant: the producer is flushed and closed however serving ends (the app closes its HTTP client).
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import threading
 
@@ -28,11 +27,10 @@ def run(settings: Settings, stop: threading.Event | None = None) -> None:
     limits = httpx.Limits(max_connections=256, max_keepalive_connections=64)
     http_client = httpx.AsyncClient(limits=limits, timeout=settings.gateway.upstream_timeout_s)
     try:
-        app = create_app(settings, producer, http_client)
+        app = create_app(settings, producer, http_client)  # closes http_client at shutdown
         log.info("gateway on %s:%d -> %s", settings.gateway.host, settings.gateway.port, app.state.gateway.upstream)
         serve(app, host=settings.gateway.host, port=settings.gateway.port, stop=stop, log_level=settings.log_level)
     finally:
-        asyncio.run(http_client.aclose())
         producer.flush()
         producer.close()
         bus.close()

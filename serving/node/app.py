@@ -26,6 +26,7 @@ import uuid
 from typing import Any
 
 from fastapi import FastAPI, Request
+from jinja2 import TemplateError
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -117,7 +118,12 @@ def create_app(engine: Engine, updater: Any = None, settings: Settings | None = 
         if chat.top_logprobs:
             raise APIError(400, "top_logprobs > 0 is not supported yet; use 0 or omit it", param="top_logprobs")
 
-        prompt_ids = engine.prompt_ids(chat.plain_messages())
+        try:
+            prompt_ids = engine.prompt_ids(chat.plain_messages())
+        except TemplateError as exc:
+            raise APIError(400, f"the model's chat template rejects these messages: {exc}", param="messages") from None
+        if not prompt_ids:
+            raise APIError(400, "the messages encode to an empty prompt", param="messages")
         max_new = chat.max_new_tokens(settings.node.max_new_tokens)
         if engine.max_context is not None and len(prompt_ids) + max_new > engine.max_context:
             raise APIError(
@@ -159,6 +165,7 @@ def create_app(engine: Engine, updater: Any = None, settings: Settings | None = 
             "model_line": model_name,
             "version": version,
             "sha256": sha,
+            "engine": {"requests": engine.requests, "batches": engine.batches},
         }
         if updater is not None:
             body["update_status"] = updater.status

@@ -82,7 +82,8 @@ class Engine:
         self.version = version
         self.max_batch = max_batch
         self.batch_window_s = batch_window_s
-        self.batches = 0  # batches run, for tests and metrics
+        self.batches = 0  # generate calls run
+        self.requests = 0  # completions returned
         self._lock = threading.Lock()
         self._queue: queue.Queue[_Pending] = queue.Queue()
         self._closed = threading.Event()
@@ -195,6 +196,7 @@ class Engine:
                     eos_token_id=self.eos_token_id,
                 )
                 self.batches += 1
+                self.requests += len(live)
         except Exception as exc:  # hand the failure to every waiting request; the worker keeps serving
             log.exception("generation failed for a batch of %d", len(live))
             for p in live:

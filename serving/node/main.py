@@ -30,8 +30,7 @@ def model_dir(settings: Settings) -> Path:
 def bootstrap_version(engine, registry) -> None:  # type: ignore[no-untyped-def]
     """Give the engine's start-up weights a registered version (publishing version 0 if none)."""
     if registry.latest() is None:
-        info = registry.publish(engine.state(), parent=None, force_full=True)
-        registry.set_status(info.version, "stable", reason="node bootstrap: base model")
+        info = registry.ensure_base(engine.state(), reason="node bootstrap: base model")
         log.info("published the base model as version %d (%s)", info.version, info.sha256[:12])
     for info in registry.versions():
         if info.sha256 == engine.sha256:

@@ -27,7 +27,6 @@ from flywheel.db.session import make_engine, make_session_factory
 from flywheel.events import FeedbackEvent, GenerationEvent, feedback_event_id
 from flywheel.settings import Settings, load_settings
 from flywheel.tinymodel import sampling
-from flywheel.tinymodel.build import ensure_default_model
 from flywheel.weights.registry import Registry
 from flywheel.weights.store import make_store
 
@@ -37,8 +36,9 @@ MESSAGES = [{"role": "user", "content": "sort: 3 1 2"}]
 
 
 @pytest.fixture(scope="session")
-def quick_model_dir(tmp_path_factory):
-    return ensure_default_model(tmp_path_factory.mktemp("serving-models"), quick=True)
+def quick_model_dir(tiny_model_dir):
+    """The quick tiny model (built once per test session by tests/fixtures/model.py)."""
+    return tiny_model_dir
 
 
 @pytest.fixture(scope="session")
@@ -71,12 +71,12 @@ def _wait(what: str, check: Callable[[], Any], timeout_s: float = 60.0, every_s:
 class _Role(threading.Thread):
     def __init__(self, name: str, run: Callable[..., None], settings: Settings, stop: threading.Event) -> None:
         super().__init__(name=name, daemon=True)
-        self._run, self._settings, self._stop = run, settings, stop
+        self._run, self._settings, self._stop_event = run, settings, stop
         self.error: BaseException | None = None
 
     def run(self) -> None:
         try:
-            self._run(self._settings, self._stop)
+            self._run(self._settings, self._stop_event)
         except BaseException as exc:  # surfaced by the fixture; a thread cannot raise into the test
             self.error = exc
 
@@ -232,12 +232,16 @@ def test_gateway_captures_generations_and_feedback(stack, reference):
 
 def test_concurrent_requests_are_batched_and_all_captured(stack):
     n = 8
+    before = stack.health()["engine"]
     with httpx.Client(timeout=60) as client, concurrent.futures.ThreadPoolExecutor(n) as pool:
         responses = list(pool.map(lambda i: stack.chat(client, max_tokens=8), range(n)))
     assert [r.status_code for r in responses] == [200] * n
     events = [GenerationEvent.from_bytes(v) for v in stack.events("generations", "g2", want=n)]
     assert sorted(e.generation_id for e in events) == sorted(r.headers["X-Flywheel-Generation"] for r in responses)
     assert {e.session_id for e in events} == {r.headers["X-Flywheel-Session"] for r in responses}
+    after = stack.health()["engine"]
+    assert after["requests"] - before["requests"] == n
+    assert after["batches"] - before["batches"] < n  # concurrent requests shared generate calls
 
 
 def test_node_rejects_unsupported_options_through_the_gateway(stack):
@@ -248,6 +252,8 @@ def test_node_rejects_unsupported_options_through_the_gateway(stack):
         assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
         r = client.post(f"{stack.node}/v1/chat/completions", json={"messages": MESSAGES, "n": 2})
         assert r.status_code == 400 and r.json()["error"]["param"] == "n"
+        r = stack.chat(client, messages=[{"role": "system", "content": "be brief"}, *MESSAGES])
+        assert r.status_code == 400 and "only user and assistant" in r.json()["error"]["message"]
         r = stack.chat(client, max_tokens=100_000)
         assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
     assert stack.events("generations", "g3", want=0, timeout_s=0.5) == []

@@ -200,3 +200,18 @@ def test_unreachable_upstream_is_a_502_and_nothing_is_captured(client, bus, sett
     assert err["type"] == "upstream_error" and err["code"] == "upstream_unreachable"
     assert _drain(bus, settings, "check-3")[settings.topic("generations")] == []
     assert client.get("/health").json()["status"] == "ok"
+
+
+def test_a_bus_that_refuses_the_event_is_a_503_not_an_acknowledgement(settings, bus):
+    producer = bus.producer()
+    producer.close()  # a real producer that can no longer write
+    app = create_app(settings, producer, httpx.AsyncClient())
+    with TestClient(app) as client:
+        r = client.post(
+            "/v1/feedback",
+            json={"feedback_id": "lost?", "session_id": "s-3", "kind": "explicit", "signal": "thumbs", "value": -1},
+        )
+        err = _envelope(r, 503)
+        assert err["code"] == "capture_unavailable" and "retry" in err["message"]
+        assert "flywheel_feedback_captured_total 0.0" in client.get("/metrics").text
+    assert _drain(bus, settings, "check-4")[settings.topic("feedback")] == []
