@@ -14,7 +14,7 @@ A plain in-process policy-gradient loop that mimics the trainer, without the bus
 It prints a table (step, held-out success, changed fraction, wall time) per learning rate and,
 with ``--json PATH``, writes every measurement. ``lr=0`` is the control: success must stay flat.
 
-    .venv/bin/python -m bench.learnability --lrs 0 1e-4 3e-4 --steps 160 --json /tmp/learn.json
+    .venv/bin/python -m bench.learnability --lrs 0 1e-5 2e-5 --steps-per-version 2 --json /tmp/learn.json
 """
 
 from __future__ import annotations
@@ -143,9 +143,9 @@ def run(model_path: Path, *, lr: float, batch_size: int, steps: int, steps_per_v
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", type=Path, help="model directory (default: build/reuse the default model)")
-    parser.add_argument("--cache", type=Path, default=Path(".cache/tinymodel"))
+    parser.add_argument("--cache", type=Path, default=Path(".flywheel/models"))
     parser.add_argument("--quick", action="store_true", help="use the quick build")
-    parser.add_argument("--lrs", type=float, nargs="+", default=[0.0, 1e-4, 3e-4])
+    parser.add_argument("--lrs", type=float, nargs="+", default=[0.0, 1e-5, 2e-5])
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--steps", type=int, default=160)
     parser.add_argument("--steps-per-version", type=int, default=4)

@@ -121,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
+    for chatty in ("httpx", "httpcore", "alembic", "kafka"):  # one line per request or per plugin
+        logging.getLogger(chatty).setLevel(max(logging.WARNING, logging.getLogger().level))
     return dispatch(args, settings)
 
 

@@ -58,6 +58,9 @@ DEMO_OVERRIDES: dict[str, Any] = {
     "rollout": {"interval_s": 4.0},
     "ingest": {"inactivity_timeout_s": 4.0},
     "node": {"poll_s": 0.5},
+    # Versions come every few seconds here, so behaviour data is a few versions old by the time
+    # it is scored; the importance ratio corrects for it.
+    "trainer": {"max_staleness": 8},
 }
 HELDOUT_N = 300
 
@@ -163,7 +166,7 @@ def run_demo(settings: Settings, options: DemoOptions, stop: threading.Event) ->
         watcher = NodeWatcher(f"http://{settings.node.host}:{settings.node.port}/health", watcher_stop, t_start)
         watcher.start()
         n_users = options.users or 8
-        pool = UserPool(gateway, settings.model.line, n_users, options.seed, max_tokens=settings.node.max_new_tokens)
+        pool = UserPool(gateway, settings.model.line, n_users, options.seed, max_tokens=settings.node.max_new_tokens, t0=t_start)
         minutes = options.traffic_minutes
         print(
             f"flywheel demo: stack up in {time.monotonic() - t_start:.0f}s; {n_users} simulated users for "
@@ -187,7 +190,7 @@ def run_demo(settings: Settings, options: DemoOptions, stop: threading.Event) ->
         with sessions() as s:
             rows = s.execute(select(Generation.generation_id, Generation.model_version)).all()
             trajectories = s.scalar(select(func.count()).select_from(Trajectory)) or 0
-            scored = s.execute(select(ScoredTrajectoryRow.ts, ScoredTrajectoryRow.total_reward, ScoredTrajectoryRow.payload)).all()
+            scored = s.scalar(select(func.count()).select_from(ScoredTrajectoryRow)) or 0
     finally:
         users_stop.set()
         watcher_stop.set()
@@ -236,7 +239,7 @@ def run_demo(settings: Settings, options: DemoOptions, stop: threading.Event) ->
         "every_generation_names_its_version": mismatched == 0 and unregistered == 0 and persisted >= received,
         "feedback_sent": pool.stats.feedback_sent,
         "trajectories": trajectories,
-        "scored_trajectories": len(scored),
+        "scored_trajectories": scored,
         "client_errors": pool.stats.errors,
         "versions_published": len(versions),
         "versions_shipped": shipped,
@@ -256,7 +259,7 @@ def run_demo(settings: Settings, options: DemoOptions, stop: threading.Event) ->
         Path(options.json_path).write_text(json.dumps(summary, indent=2))
         print(f"summary written to {options.json_path}")
     if options.plot_path:
-        _plot(options.plot_path, pool, shipped, heldout, scored)
+        _plot(options.plot_path, pool, shipped, heldout)
         print(f"plot written to {options.plot_path}")
     return 0
 
@@ -326,33 +329,40 @@ def _print_summary(s: dict[str, Any]) -> None:
     print(f"  held-out success          {s['heldout_success_start']:.1%} -> {s['heldout_success_end']:.1%}")
 
 
-def _plot(path: str, pool: UserPool, shipped: list[dict[str, Any]], heldout: dict[int, float], scored: list[Any]) -> None:
+def _plot(path: str, pool: UserPool, shipped: list[dict[str, Any]], heldout: dict[int, float]) -> None:
+    """Top: served first-answer success over time (rolling, and the mean of each version while it
+    served). Bottom: held-out success of the evaluated versions, at the time each went live."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(10, 7), sharex=True)
-    served = [s for s in pool.stats.served if s.attempt == 0]
-    versions = sorted({s.version for s in served})
-    cmap = plt.get_cmap("viridis", max(2, len(versions)))
-    for i, v in enumerate(versions):
-        pts = [s for s in served if s.version == v]
-        window = max(1, len(pts) // 10)
-        xs = [pts[j].t for j in range(window - 1, len(pts))]
-        ys = [sum(p.correct for p in pts[j - window + 1 : j + 1]) / window for j in range(window - 1, len(pts))]
-        ax1.plot(xs, ys, color=cmap(i), label=f"v{v}" if len(versions) <= 12 else None)
+    served = sorted((s for s in pool.stats.served if s.attempt == 0), key=lambda s: s.t)
+    window = max(20, len(served) // 30)
+    if len(served) >= window:
+        xs = [served[j].t for j in range(window - 1, len(served))]
+        ys = [sum(p.correct for p in served[j - window + 1 : j + 1]) / window for j in range(window - 1, len(served))]
+        ax1.plot(xs, ys, color="0.6", lw=1, label=f"rolling mean of {window} answers")
+    by_version: dict[int, list[Any]] = {}
+    for s in served:
+        by_version.setdefault(s.version, []).append(s)
+    cmap = plt.get_cmap("viridis", max(2, len(by_version)))
+    for i, (version, pts) in enumerate(sorted(by_version.items())):
+        mean = sum(p.correct for p in pts) / len(pts)
+        ax1.hlines(mean, pts[0].t, pts[-1].t, colors=[cmap(i)], lw=3)
+    ax1.plot([], [], color=cmap(0), lw=3, label="mean of each serving version")
     ax1.set_ylabel("first-answer success (served)")
     ax1.set_title("reward over time, per serving version")
-    if len(versions) <= 12:
-        ax1.legend(ncol=6, fontsize=7)
+    ax1.legend(fontsize=8, loc="upper left")
     live_at = {s["version"]: s["live_at_s"] for s in shipped}
-    hx = [live_at[v] for v in sorted(heldout) if v in live_at]
-    hy = [heldout[v] for v in sorted(heldout) if v in live_at]
-    ax2.plot(hx, hy, "o-", label="held-out success of version (when it went live)")
-    ax2.set_xlabel("seconds since start")
+    points = [(live_at[v], heldout[v], v) for v in sorted(heldout) if v in live_at]
+    ax2.plot([p[0] for p in points], [p[1] for p in points], "o-", label="held-out success of the version that went live")
+    for x, y, v in points:
+        ax2.annotate(f"v{v}", (x, y), textcoords="offset points", xytext=(0, 6), fontsize=7, ha="center")
+    ax2.set_xlabel("seconds since the demo started")
     ax2.set_ylabel("held-out success")
-    ax2.legend(fontsize=8)
+    ax2.legend(fontsize=8, loc="upper left")
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)

@@ -87,7 +87,7 @@ class NodeSettings(_Section):
     region: str = "local"
     #: How often the updater looks for a newer stable version (database poll fallback).
     poll_s: float = Field(1.0, gt=0)
-    max_new_tokens: int = Field(32, ge=1, le=4096)
+    max_new_tokens: int = Field(16, ge=1, le=4096)
     seed: int = 0
 
 
@@ -111,11 +111,16 @@ class RewardSettings(_Section):
 
 
 class TrainerSettings(_Section):
-    lr: float = Field(3e-5, ge=0)
+    #: With Adam, lr x steps_per_version sets the share of bf16 elements a version changes
+    #: (bench/learnability.py: 2e-5 x 2 steps changes ~18%, a delta of ~9% of the full checkpoint;
+    #: one step per version halves that).
+    lr: float = Field(2e-5, ge=0)
+    #: Linear learning-rate warm-up over this many optimizer steps after (re)start.
+    warmup_steps: int = Field(10, ge=1)
     #: Trajectories per optimizer step.
-    batch_size: int = Field(16, ge=1)
+    batch_size: int = Field(32, ge=1)
     #: Optimizer steps between published versions.
-    steps_per_version: int = Field(4, ge=1)
+    steps_per_version: int = Field(1, ge=1)
     #: Samples whose behaviour version is more than this many versions old are dropped.
     max_staleness: int = Field(4, ge=0)
     clip_eps: float = Field(0.2, gt=0)
@@ -141,6 +146,8 @@ class Settings(BaseSettings):
 
     data_dir: str = ".flywheel"
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    #: Torch intra-op threads per process; one is fastest when several roles share a few cores.
+    torch_threads: int = Field(1, ge=1)
     bus: BusSettings = BusSettings()
     db: DatabaseSettings = DatabaseSettings()
     live: LiveSettings = LiveSettings()

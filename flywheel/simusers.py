@@ -88,7 +88,7 @@ class UserPool:
     """``users`` threads, each holding one session after another until ``stop`` is set."""
 
     def __init__(self, base_url: str, model: str, users: int, seed: int, behaviour: Behaviour = Behaviour(),
-                 max_tokens: int = 32, api_key: str | None = None):
+                 max_tokens: int = 32, api_key: str | None = None, t0: float | None = None):
         self.base_url = base_url.rstrip("/")
         self.model = model
         self.users = users
@@ -97,7 +97,7 @@ class UserPool:
         self.max_tokens = max_tokens
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.stats = PoolStats()
-        self.t0 = time.monotonic()
+        self.t0 = time.monotonic() if t0 is None else t0
         self._threads: list[threading.Thread] = []
 
     def start(self, stop: threading.Event) -> None:

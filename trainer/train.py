@@ -58,6 +58,7 @@ def train(settings: Settings, stop: threading.Event | None = None) -> None:
     cfg = settings.trainer
 
     # --- setup -----------------------------------------------------------------------------------
+    torch.set_num_threads(settings.torch_threads)
     url = settings.database_url
     wait_for_db(url, settings.db.wait_s)
     upgrade(url)
@@ -80,6 +81,9 @@ def train(settings: Settings, stop: threading.Event | None = None) -> None:
     current = latest.version
     step = latest.train_step or 0
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    # Adam's first steps move every weight by a full lr (its moment estimates are fresh), which
+    # would flip most bf16 elements at once; a linear warm-up keeps the first deltas small too.
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: min(1.0, (i + 1) / cfg.warmup_steps))
     buffer = SampleBuffer(cfg.max_staleness)
     offsets = OffsetTracker()
     window: list[dict[str, float]] = []  # per-step metrics since the last published version
@@ -109,6 +113,7 @@ def train(settings: Settings, stop: threading.Event | None = None) -> None:
             while not stop.is_set() and (batch := buffer.take(cfg.batch_size)):
                 samples = [e.sample for e in batch]
                 window.append(train_step(model, optimizer, samples, current, cfg, measure_parity=not window))
+                scheduler.step()
                 step += 1
                 for entry in batch:
                     offsets.done(entry.record)

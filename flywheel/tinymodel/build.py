@@ -65,7 +65,7 @@ class Recipe:
 
 
 FULL = Recipe()
-QUICK = dataclasses.replace(FULL, steps=80)
+QUICK = dataclasses.replace(FULL, steps=180, batch_size=32, lr=4e-3)
 
 
 def recipe_for(quick: bool) -> Recipe:
@@ -186,7 +186,16 @@ def _train(recipe: Recipe, out_dir: Path, log, started: float) -> dict:
     model.config.use_cache = True
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
-    info = {"recipe": dataclasses.asdict(recipe), "fingerprint": recipe.fingerprint(), "train_s": round(train_s, 2)}
+    from flywheel.tinymodel.sampling import evaluate, load_model  # the saved bf16 model, as served
+
+    served, served_tokenizer = load_model(out_dir)
+    info = {
+        "recipe": dataclasses.asdict(recipe),
+        "fingerprint": recipe.fingerprint(),
+        "train_s": round(train_s, 2),
+        "parameters": sum(p.numel() for p in served.parameters()),
+        "heldout_success": evaluate(served, served_tokenizer, task.heldout_problems(), seed=0),
+    }
     (out_dir / "build_info.json").write_text(json.dumps(info, indent=2, sort_keys=True))
     return info
 

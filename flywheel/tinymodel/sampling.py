@@ -21,8 +21,11 @@ from typing import Literal
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers.utils import logging as hf_logging
 
 from flywheel.tinymodel.task import Problem, is_correct, user_message
+
+hf_logging.disable_progress_bar()  # a server's log is no place for progress bars
 
 
 @dataclass(frozen=True)

@@ -49,6 +49,9 @@ def run(settings: Settings, stop: threading.Event | None = None) -> None:
     from serving.node.updater import Updater
     from serving.server import serve
 
+    import torch
+
+    torch.set_num_threads(settings.torch_threads)
     url = settings.database_url
     if url.startswith("sqlite"):
         settings.data_path.mkdir(parents=True, exist_ok=True)

@@ -20,7 +20,7 @@ def test_demo_loop_ships_verified_deltas_and_loses_nothing(tmp_path, tiny_model_
     settings = load_settings(
         data_dir=str(tmp_path / "data"),
         model={"path": str(tiny_model_dir)},
-        trainer={"batch_size": 8, "steps_per_version": 2},
+        trainer={"batch_size": 16},
     )
     out = tmp_path / "summary.json"
     options = DemoOptions(quick=True, minutes=1.0, users=4, json_path=str(out), plot_path=str(tmp_path / "plot.png"))
