@@ -29,10 +29,7 @@ import torch
 
 from flywheel.tinymodel import task
 
-try:  # the weight codec, when present, turns changed fractions into the bytes a version ships
-    from flywheel.weights import codec
-except ImportError:
-    codec = None
+from flywheel.weights import codec
 from flywheel.tinymodel.build import ensure_default_model
 from flywheel.tinymodel.sampling import (
     chat_prompt_ids,
@@ -123,8 +120,7 @@ def run(model_path: Path, *, lr: float, batch_size: int, steps: int, steps_per_v
             new_state = export_state(master)
             fraction = changed_fraction(version_state, new_state)
             fractions.append(fraction)
-            if codec is not None:
-                delta_ratios.append(len(codec.encode_delta(version_state, new_state)) / len(codec.encode_full(new_state)))
+            delta_ratios.append(len(codec.encode_delta(version_state, new_state)) / len(codec.encode_full(new_state)))
             version_state = new_state
             load_state(served, version_state)
         if step % eval_every == 0:

@@ -20,7 +20,7 @@ import shutil
 import socket
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +50,7 @@ class DemoOptions:
 
     @property
     def traffic_minutes(self) -> float:
-        return self.minutes if self.minutes is not None else (2.5 if self.quick else 12.0)
+        return self.minutes if self.minutes is not None else (2.0 if self.quick else 12.0)
 
 
 #: Settings the demo runs with, on top of the user's (fast schedules: seconds, not hours).

@@ -14,11 +14,18 @@ from __future__ import annotations
 import json
 import uuid
 from datetime import datetime, timezone
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, NonNegativeInt, StringConstraints, model_validator
 
 SCHEMA_VERSION = 1
+
+#: Identifiers (ids, tenants, signals) are printable: no control characters, NUL included, which
+#: PostgreSQL would refuse long after the gateway had accepted the event.
+Ident = Annotated[str, StringConstraints(min_length=1, pattern=r"^[^\x00-\x1f\x7f]+$")]
+TokenIds = list[NonNegativeInt]
+#: Every model rejects NaN and infinities: JSON would silently carry them as null.
+_STRICT = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 def new_id() -> str:
@@ -30,14 +37,14 @@ def utcnow() -> datetime:
 
 
 class _Event(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = _STRICT
     topic: ClassVar[str]
 
-    event_id: str = Field(default_factory=new_id, min_length=1, max_length=128)
+    event_id: Ident = Field(default_factory=new_id, max_length=128)
     schema_version: int = SCHEMA_VERSION
-    ts: datetime = Field(default_factory=utcnow)
-    tenant: str = Field(min_length=1, max_length=128)
-    session_id: str = Field(min_length=1, max_length=256)
+    ts: AwareDatetime = Field(default_factory=utcnow)
+    tenant: Ident = Field(max_length=128)
+    session_id: Ident = Field(max_length=256)
 
     def to_bytes(self) -> bytes:
         return self.model_dump_json().encode()
@@ -55,7 +62,7 @@ class Message(BaseModel):
 
 
 class SamplingParams(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
     temperature: float = 1.0
     top_p: float = 1.0
     max_tokens: int | None = None
@@ -67,14 +74,14 @@ class GenerationEvent(_Event):
 
     topic: ClassVar[str] = "generations"
 
-    generation_id: str = Field(min_length=1, max_length=128)
-    model_line: str
+    generation_id: Ident = Field(max_length=128)
+    model_line: Ident
     model_version: int = Field(ge=0)
-    node_id: str
+    node_id: Ident
     request: dict[str, Any]
     response: dict[str, Any]
-    prompt_token_ids: list[int]
-    completion_token_ids: list[int]
+    prompt_token_ids: TokenIds
+    completion_token_ids: TokenIds
     #: Log-probability of each sampled completion token, as the engine sampled it.
     completion_logprobs: list[float]
     sampling: SamplingParams
@@ -106,10 +113,10 @@ class FeedbackEvent(_Event):
 
     topic: ClassVar[str] = "feedback"
 
-    feedback_id: str = Field(min_length=1, max_length=128)
-    generation_id: str | None = Field(None, max_length=128)
+    feedback_id: Ident = Field(max_length=128)
+    generation_id: Ident | None = Field(None, max_length=128)
     kind: FeedbackKind
-    signal: str = Field(min_length=1, max_length=64)
+    signal: Ident = Field(max_length=64)
     #: thumbs: +1/-1; rating: any scale, normalised by the reward spec; outcomes: 1 or 0.
     value: float | None = None
     comment: str | None = Field(None, max_length=10_000)
@@ -131,19 +138,22 @@ def feedback_event_id(tenant: str, feedback_id: str) -> str:
 class Turn(BaseModel):
     """One assistant turn inside a trajectory, as offsets into the flat token sequence."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
-    generation_id: str
+    model_config = _STRICT
+    generation_id: Ident
     #: Completion tokens of this turn occupy ``tokens[start:end]``.
     start: int = Field(ge=0)
     end: int = Field(ge=0)
     behaviour_version: int = Field(ge=0)
+    #: The sampling distribution the behaviour logprobs belong to (the trainer's ratio needs it).
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
 
 
 class Segment(BaseModel):
     """A flat token sequence; turns whose prompt extends the previous turn share one segment."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
-    tokens: list[int]
+    model_config = _STRICT
+    tokens: TokenIds
     #: 1 where the token was produced by the assistant (trainable), 0 elsewhere.
     mask: list[int]
     #: Behaviour log-probabilities aligned with ``tokens`` (0.0 where mask is 0).

@@ -88,6 +88,7 @@ class NodeSettings(_Section):
     #: How often the updater looks for a newer stable version (database poll fallback).
     poll_s: float = Field(1.0, gt=0)
     max_new_tokens: int = Field(16, ge=1, le=4096)
+    max_body_bytes: int = Field(1_000_000, ge=1_024)
     seed: int = 0
 
 

@@ -83,7 +83,10 @@ def build_segments(generations: Sequence[GenerationEvent]) -> list[Segment]:
         start = len(current.tokens)
         current.add(completion, trainable=True, logprobs=[float(x) for x in gen.completion_logprobs])
         current.turns.append(
-            Turn(generation_id=gen.generation_id, start=start, end=len(current.tokens), behaviour_version=gen.model_version)
+            Turn(
+                generation_id=gen.generation_id, start=start, end=len(current.tokens),
+                behaviour_version=gen.model_version, temperature=gen.sampling.temperature, top_p=gen.sampling.top_p,
+            )
         )
     return [segment.freeze() for segment in segments]
 

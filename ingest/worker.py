@@ -34,7 +34,7 @@ from datetime import UTC, datetime, timedelta
 from sqlalchemy.orm import Session, sessionmaker
 
 from flywheel.bus import Consumer, Producer, Record, make_bus
-from flywheel.db.session import make_engine, make_session_factory, upgrade, wait_for_db
+from flywheel.db.session import make_session_factory, open_database
 from flywheel.events import FeedbackEvent, GenerationEvent
 from flywheel.settings import Settings
 from ingest import store
@@ -144,7 +144,7 @@ class Ingestor:
         store.insert_trajectory(db, traj)
         store.mark_feedback_joined(db, tenant, session_id)
         self.counters[f"closed_{reason}"] += 1
-        log.info(
+        log.debug(
             "closed session %s/%s (%s): revision %d, %d turns, %d feedback",
             tenant, session_id, reason, revision, len(traj.generation_ids), len(traj.feedback),
         )
@@ -184,10 +184,7 @@ class Ingestor:
 def run(settings: Settings, stop: threading.Event | None = None) -> None:
     """Consume generations and feedback until ``stop`` is set (see the module docstring)."""
     stop = stop or threading.Event()
-    url = settings.database_url
-    wait_for_db(url, settings.db.wait_s)
-    upgrade(url)
-    engine = make_engine(url)
+    engine = open_database(settings.database_url, settings.db.wait_s)
     bus = make_bus(settings)
     topics = [settings.topic("generations"), settings.topic("feedback")]
     bus.ensure_topics([*topics, settings.topic("trajectories")])

@@ -20,7 +20,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from flywheel.bus import Consumer, Producer, Record, make_bus
 from flywheel.db.models import ScoredTrajectoryRow
-from flywheel.db.session import insert_ignore, make_engine, make_session_factory, upgrade, wait_for_db
+from flywheel.db.session import insert_ignore, make_session_factory, open_database
 from flywheel.events import ScoredTrajectory, TrajectoryEvent
 from flywheel.settings import RewardSettings, Settings
 from rewards.builders import explicit_outcome_reward
@@ -103,10 +103,7 @@ def process(
 def run(settings: Settings, stop: threading.Event | None = None) -> None:
     """Score trajectories until ``stop`` is set (see the module docstring)."""
     stop = stop or threading.Event()
-    url = settings.database_url
-    wait_for_db(url, settings.db.wait_s)
-    upgrade(url)
-    engine = make_engine(url)
+    engine = open_database(settings.database_url, settings.db.wait_s)
     sessions = make_session_factory(engine)
     bus = make_bus(settings)
     source = settings.topic("trajectories")

@@ -10,9 +10,20 @@ Invariants:
 
 from __future__ import annotations
 
+import json
+import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from fastapi import Request
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from flywheel.events import Ident
+from serving.errors import APIError, from_pydantic
+
+#: Deeper JSON than this is refused: nothing legitimate nests so far, and the recorded event must
+#: still serialise.
+MAX_JSON_DEPTH = 64
+_PRINTABLE = re.compile(r"^[^\x00-\x1f\x7f]+$")
 
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 
@@ -56,7 +67,7 @@ class ChatCompletionRequest(BaseModel):
     max_completion_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     n: int | None = Field(1, ge=1, le=128)
@@ -77,12 +88,12 @@ class FeedbackItem(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    feedback_id: str = Field(min_length=1, max_length=128)
-    session_id: str | None = Field(None, min_length=1, max_length=256)
-    generation_id: str | None = Field(None, min_length=1, max_length=128)
+    feedback_id: Ident = Field(max_length=128)
+    session_id: Ident | None = Field(None, max_length=256)
+    generation_id: Ident | None = Field(None, max_length=128)
     kind: Literal["explicit", "implicit", "outcome", "custom"]
-    signal: str = Field(min_length=1, max_length=64)
-    value: float | None = None
+    signal: Ident = Field(max_length=64)
+    value: float | None = Field(None, allow_inf_nan=False)
     comment: str | None = Field(None, max_length=10_000)
     data: dict[str, Any] | None = None
 
@@ -91,3 +102,67 @@ class FeedbackBatch(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     feedback: list[FeedbackItem] = Field(min_length=1, max_length=1000)
+
+
+def parse_chat_request(body: Any) -> ChatCompletionRequest:
+    """Validate a parsed JSON body as a chat completion this server supports, or raise a 400."""
+    if not isinstance(body, dict):
+        raise APIError(400, "request body must be a JSON object", code="invalid_json")
+    try:
+        chat = ChatCompletionRequest.model_validate(body)
+    except ValidationError as exc:
+        raise from_pydantic(exc) from None
+    if chat.stream:
+        raise APIError(400, "streaming is not supported yet; send stream=false", param="stream")
+    if chat.n not in (None, 1):
+        raise APIError(400, "only n=1 is supported", param="n")
+    return chat
+
+
+async def read_json_body(request: Request, limit: int) -> Any:
+    """The request body parsed as JSON, or an OpenAI-style 4xx: over ``limit`` bytes (413), empty,
+    malformed, or nested deeper than :data:`MAX_JSON_DEPTH` (400)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise APIError(413, f"request body is {declared} bytes; the limit is {limit}", code="request_too_large")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise APIError(413, f"request body exceeds the limit of {limit} bytes", code="request_too_large")
+        chunks.append(chunk)
+    raw = b"".join(chunks)
+    if not raw.strip():
+        raise APIError(400, "request body is empty; send a JSON object", code="invalid_json")
+    too_deep = APIError(400, f"request body nests deeper than {MAX_JSON_DEPTH} levels", code="invalid_json")
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise APIError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from None
+    except RecursionError:
+        raise too_deep from None
+    if json_depth(body) > MAX_JSON_DEPTH:
+        raise too_deep
+    return body
+
+
+def json_depth(value: Any) -> int:
+    """Nesting depth of parsed JSON (a scalar is 0), computed without recursion."""
+    depth, stack = 0, [(value, 1)]
+    while stack:
+        item, level = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is not None:
+            depth = max(depth, level)
+            stack.extend((child, level + 1) for child in children)
+    return depth
+
+
+def check_session_id(value: str) -> str:
+    """A client-chosen session id, or a 400 if it is too long or not printable."""
+    if len(value) > 256:
+        raise APIError(400, "session id is longer than 256 characters", param="session_id")
+    if not _PRINTABLE.match(value):
+        raise APIError(400, "session id must be printable (no control characters)", param="session_id")
+    return value

@@ -4,8 +4,10 @@
   is the oldest version that served any of its turns; a sample more than ``max_staleness``
   versions behind the version being trained is dropped, at admission and again when a batch is
   taken (the trained version moves on while samples wait), and every drop is counted by reason
-  (``stale``, ``duplicate``, ``empty``). A redelivered event (same ``event_id``) is dropped as a
-  duplicate within a bounded memory of recent ids.
+  (``stale``, ``duplicate``, ``empty``, ``superseded``, ``already_trained``). A redelivered event
+  (same ``event_id``) is dropped as a duplicate within a bounded memory of recent ids. A trajectory
+  is trained at most once: a newer revision (late feedback re-emits the whole session) replaces a
+  queued older one, and a revision arriving after its trajectory was trained is dropped.
 - :class:`OffsetTracker` says which bus records may be committed: on each partition, only the
   prefix of records that are done (trained, dropped or dead-lettered), so a crash never skips a
   sample still waiting in the buffer.
@@ -21,8 +23,22 @@ from dataclasses import dataclass
 import torch
 
 from flywheel.bus.base import Record
-from flywheel.events import ScoredTrajectory
+from flywheel.events import ScoredTrajectory, Segment
 from trainer.loss import token_advantages
+
+
+def trainable_mask(segment: Segment) -> list[int]:
+    """The segment's mask, less turns not sampled at temperature 1 and top_p 1.
+
+    Their behaviour logprobs belong to a reshaped distribution (greedy ones are all 0.0), so the
+    importance ratio against the model's own distribution would be wrong; such turns still shape
+    the rewards of the session but are not trained on.
+    """
+    mask = list(segment.mask)
+    for turn in segment.turns:
+        if turn.temperature != 1.0 or turn.top_p != 1.0:
+            mask[turn.start : turn.end] = [0] * (turn.end - turn.start)
+    return mask
 
 
 def behaviour_version(sample: ScoredTrajectory) -> int | None:
@@ -45,7 +61,10 @@ class SampleBuffer:
         self.max_staleness = max_staleness
         self._entries: deque[Entry] = deque()
         self._seen: OrderedDict[str, None] = OrderedDict()
-        self._remember = remember_ids
+        self._remember_n = remember_ids
+        self._queued: dict[str, Entry] = {}  # trajectory_id -> its queued entry
+        self._superseded: list[Entry] = []
+        self._trained: OrderedDict[str, None] = OrderedDict()
         self.dropped: Counter[str] = Counter()
         self.added = 0
         self.taken = 0
@@ -64,43 +83,66 @@ class SampleBuffer:
         """Admit ``sample``; returns the drop reason, or ``None`` when it was buffered."""
         version = behaviour_version(sample)
         reason: str | None = None
+        queued = self._queued.get(sample.trajectory_id)
         if sample.event_id in self._seen:
             reason = "duplicate"
+        elif sample.trajectory_id in self._trained:
+            reason = "already_trained"
+        elif queued is not None and queued.sample.revision >= sample.revision:
+            reason = "superseded"
         elif version is None:
             reason = "empty"
         elif self.is_stale(version, current_version):
             reason = "stale"
-        self._remember_id(sample.event_id)
+        self._remember(self._seen, sample.event_id)
         if reason is not None:
             self.dropped[reason] += 1
             return reason
         assert version is not None
-        self._entries.append(Entry(sample, record, version))
+        if queued is not None:  # an older revision waits: the newer one takes its place
+            self._superseded.append(queued)
+        entry = Entry(sample, record, version)
+        self._queued[sample.trajectory_id] = entry
+        self._entries.append(entry)
         self.added += 1
         return None
 
     def purge_stale(self, current_version: int) -> list[Entry]:
-        """Drop (and count) every buffered sample that has become stale; returns them."""
+        """Drop (and count) every buffered sample that has become stale or was superseded by a
+        newer revision; returns them (their records are done)."""
+        superseded = {id(e) for e in self._superseded}
         kept: deque[Entry] = deque()
         stale: list[Entry] = []
         for entry in self._entries:
+            if id(entry) in superseded:
+                continue
             (stale if self.is_stale(entry.version, current_version) else kept).append(entry)
         self._entries = kept
-        self.dropped["stale"] += len(stale)
-        return stale
+        for entry in stale:
+            del self._queued[entry.sample.trajectory_id]
+        if stale:
+            self.dropped["stale"] += len(stale)
+        if self._superseded:
+            self.dropped["superseded"] += len(self._superseded)
+        out, self._superseded = stale + self._superseded, []
+        return out
 
     def take(self, n: int) -> list[Entry]:
         """The ``n`` oldest samples, or nothing while fewer are buffered (call :meth:`purge_stale` first)."""
-        if len(self._entries) < n:
+        if len(self._entries) - len(self._superseded) < n or self._superseded:
             return []
         self.taken += n
-        return [self._entries.popleft() for _ in range(n)]
+        batch = [self._entries.popleft() for _ in range(n)]
+        for entry in batch:
+            del self._queued[entry.sample.trajectory_id]
+            self._remember(self._trained, entry.sample.trajectory_id)
+        return batch
 
-    def _remember_id(self, event_id: str) -> None:
-        self._seen[event_id] = None
-        self._seen.move_to_end(event_id)
-        while len(self._seen) > self._remember:
-            self._seen.popitem(last=False)
+    def _remember(self, ids: OrderedDict[str, None], key: str) -> None:
+        ids[key] = None
+        ids.move_to_end(key)
+        while len(ids) > self._remember_n:
+            ids.popitem(last=False)
 
 
 class OffsetTracker:
@@ -156,7 +198,7 @@ def collate(samples: Sequence[ScoredTrajectory], baselines: Sequence[float]) -> 
         advantages = token_advantages(sample.turn_rewards, sample.segments, baseline)
         for segment, adv in zip(sample.segments, advantages, strict=True):
             if segment.tokens:
-                rows.append((i, segment.tokens, segment.mask, segment.logprobs, adv))
+                rows.append((i, segment.tokens, trainable_mask(segment), segment.logprobs, adv))
     B = len(rows)
     T = max((len(r[1]) for r in rows), default=1)
     tokens = torch.zeros(B, T, dtype=torch.long)

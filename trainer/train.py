@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from flywheel.bus import make_bus
-from flywheel.db.session import make_engine, make_session_factory, upgrade, wait_for_db
+from flywheel.db.session import make_session_factory, open_database
 from flywheel.events import ScoredTrajectory
 from flywheel.settings import Settings, TrainerSettings
 from flywheel.tinymodel.build import ensure_default_model
@@ -59,14 +59,12 @@ def train(settings: Settings, stop: threading.Event | None = None) -> None:
 
     # --- setup -----------------------------------------------------------------------------------
     torch.set_num_threads(settings.torch_threads)
-    url = settings.database_url
-    wait_for_db(url, settings.db.wait_s)
-    upgrade(url)
-    engine = make_engine(url)
+    engine = open_database(settings.database_url, settings.db.wait_s)
     registry = Registry(make_session_factory(engine), make_store(settings), settings.model.line, full_every=cfg.full_every)
     torch.manual_seed(cfg.seed)
     model_path = Path(settings.model.path) if settings.model.path else ensure_default_model(settings.data_path / "models")
     model, _tokenizer = load_model(model_path)
+    vocab_size = model.get_input_embeddings().num_embeddings
     latest = registry.latest()
     while latest is None:  # the node (or `flywheel up`) registers the base model as version 0
         log.info("waiting for a first version of %s in the registry", settings.model.line)
@@ -103,6 +101,10 @@ def train(settings: Settings, stop: threading.Event | None = None) -> None:
                     sample = ScoredTrajectory.from_bytes(record.value)
                 except ValueError as exc:
                     consumer.dead_letter(record, f"undecodable ScoredTrajectory: {exc}"[:1000])
+                    offsets.done(record)
+                    continue
+                if (problem := untrainable(sample, settings.model.line, vocab_size)) is not None:
+                    consumer.dead_letter(record, problem)
                     offsets.done(record)
                     continue
                 if buffer.add(sample, record, current) is not None:
@@ -144,6 +146,16 @@ def train(settings: Settings, stop: threading.Event | None = None) -> None:
         engine.dispose()
 
 
+def untrainable(sample: ScoredTrajectory, model_line: str, vocab_size: int) -> str | None:
+    """Why this model can never train on ``sample`` (it would fail on every replay), or None."""
+    if sample.model_line != model_line:
+        return f"sample is for model line {sample.model_line!r}, this trainer trains {model_line!r}"
+    top = max((max(s.tokens) for s in sample.segments if s.tokens), default=-1)
+    if top >= vocab_size:
+        return f"token id {top} is outside the vocabulary of {vocab_size}"
+    return None
+
+
 def train_step(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -173,6 +185,7 @@ def train_step(
         "trunc_frac": out.trunc_frac,
         "mean_ratio": out.mean_ratio,
         "grad_norm": grad_norm,
+        "mean_abs_log_ratio": out.mean_abs_log_ratio,
         "tokens": float(out.tokens),
         "samples": float(len(samples)),
     }
@@ -189,7 +202,7 @@ def train_step(
 def summarise(window: list[dict[str, float]], counters: dict[str, int]) -> dict[str, Any]:
     """The metrics recorded with a version: step means (sums for counts) plus the buffer counters."""
     out: dict[str, Any] = {}
-    for key in ("loss", "mean_reward", "clip_frac", "trunc_frac", "mean_ratio", "grad_norm", "parity"):
+    for key in ("loss", "mean_reward", "clip_frac", "trunc_frac", "mean_ratio", "mean_abs_log_ratio", "grad_norm", "parity"):
         values = [m[key] for m in window if key in m]
         if values:
             out[key] = fmean(values)

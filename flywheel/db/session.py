@@ -161,6 +161,13 @@ def downgrade(url: str | URL, rev: str = "base") -> None:
         command.downgrade(_alembic_config(url), rev)
 
 
+def open_database(url: str, wait_s: float) -> Engine:
+    """What every role does first: wait for the database, upgrade it to head, return an engine."""
+    wait_for_db(url, wait_s)
+    upgrade(url)
+    return make_engine(url)
+
+
 def insert_ignore(session: Session, model: type[Any], rows: Iterable[Mapping[str, Any]]) -> int:
     """Insert ``rows`` into ``model``'s table, skipping any row that violates a unique key.
 

@@ -34,7 +34,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from flywheel.tinymodel import task
-from flywheel.tinymodel.tokenizer import ASSISTANT, END, PAD, USER, train_tokenizer
+from flywheel.tinymodel.tokenizer import ASSISTANT, END, USER, train_tokenizer
 
 #: Bump when the code changes what a given recipe builds.
 CODE_VERSION = "tiny-sort-v2"

@@ -18,7 +18,6 @@ canaries pick the upstream per session), streaming (rejected with a 400 for now)
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import time
 import uuid
@@ -39,9 +38,11 @@ from serving.protocol import (
     GENERATION_HEADER,
     MODEL_VERSION_HEADER,
     SESSION_HEADER,
-    ChatCompletionRequest,
     FeedbackBatch,
     FeedbackItem,
+    check_session_id,
+    parse_chat_request,
+    read_json_body,
 )
 
 log = logging.getLogger(__name__)
@@ -93,31 +94,10 @@ class Gateway:
     # Helpers -----------------------------------------------------------------------------------
 
     async def read_json(self, request: Request) -> Any:
-        """The request body parsed as JSON, refusing bodies over ``gateway.max_body_bytes``."""
-        limit = self.settings.gateway.max_body_bytes
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise APIError(413, f"request body is {declared} bytes; the limit is {limit}", code="request_too_large")
-        chunks: list[bytes] = []
-        size = 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise APIError(413, f"request body exceeds the limit of {limit} bytes", code="request_too_large")
-            chunks.append(chunk)
-        raw = b"".join(chunks)
-        if not raw.strip():
-            raise APIError(400, "request body is empty; send a JSON object", code="invalid_json")
-        try:
-            return json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise APIError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from None
+        return await read_json_body(request, self.settings.gateway.max_body_bytes)
 
     def session_id(self, request: Request, explicit: str | None = None) -> str:
-        value = explicit or request.headers.get(SESSION_HEADER) or uuid.uuid4().hex
-        if len(value) > 256:
-            raise APIError(400, "session id is longer than 256 characters", param="session_id")
-        return value
+        return check_session_id(explicit or request.headers.get(SESSION_HEADER) or uuid.uuid4().hex)
 
     async def record(self, events: list[Any]) -> None:
         try:
@@ -133,16 +113,7 @@ class Gateway:
 
     async def chat_completions(self, request: Request) -> JSONResponse:
         body = await self.read_json(request)
-        if not isinstance(body, dict):
-            raise APIError(400, "request body must be a JSON object", code="invalid_json")
-        try:
-            chat = ChatCompletionRequest.model_validate(body)
-        except ValidationError as exc:
-            raise from_pydantic(exc) from None
-        if chat.stream:
-            raise APIError(400, "streaming is not supported yet; send stream=false", param="stream")
-        if chat.n not in (None, 1):
-            raise APIError(400, "only n=1 is supported", param="n")
+        chat = parse_chat_request(body)
 
         session_id = self.session_id(request)
         tenant = self.tenant(request)
@@ -174,17 +145,20 @@ class Gateway:
         except (ValueError, capture.CaptureError) as exc:
             raise APIError(502, f"upstream response cannot be captured: {exc}", code="bad_upstream_response", headers=headers) from None
 
-        event = capture.generation_event(
-            generation_id=generation_id,
-            tenant=tenant,
-            session_id=session_id,
-            model_line=self.settings.model.line,
-            request_body=body,
-            request=chat,
-            response_body=response_body,
-            served=served,
-            latency_ms=latency_ms,
-        )
+        try:
+            event = capture.generation_event(
+                generation_id=generation_id,
+                tenant=tenant,
+                session_id=session_id,
+                model_line=self.settings.model.line,
+                request_body=body,
+                request=chat,
+                response_body=response_body,
+                served=served,
+                latency_ms=latency_ms,
+            )
+        except ValidationError as exc:  # e.g. non-finite logprobs: never a partial or lossy event
+            raise APIError(502, f"upstream response cannot be captured: {exc}", code="bad_upstream_response", headers=headers) from None
         await self.record([event])
         self.metrics.generations.inc()
         headers.update({GENERATION_HEADER: generation_id, MODEL_VERSION_HEADER: str(served.model_version)})

@@ -34,7 +34,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from flywheel.settings import Settings
 from serving.errors import APIError, from_pydantic, install_error_handlers
 from serving.node.engine import Engine, EngineNotReady, GenerationRequest
-from serving.protocol import MODEL_VERSION_HEADER, NODE_HEADER, ChatCompletionRequest
+from serving.protocol import MODEL_VERSION_HEADER, NODE_HEADER, ChatCompletionRequest, parse_chat_request, read_json_body
 
 
 class UpdateWeightsRequest(BaseModel):
@@ -91,6 +91,7 @@ def create_app(engine: Engine, updater: Any = None, settings: Settings | None = 
     settings = settings or engine.settings
     model_name = settings.model.line
     node_id = settings.node.node_id
+    max_body_bytes = settings.node.max_body_bytes
     app = FastAPI(title=f"flywheel node {node_id}", docs_url=None, redoc_url=None)
     app.state.engine = engine
     app.state.updater = updater
@@ -98,23 +99,10 @@ def create_app(engine: Engine, updater: Any = None, settings: Settings | None = 
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> JSONResponse:
-        try:
-            body = await request.json()
-        except ValueError:
-            raise APIError(400, "request body is not valid JSON", code="invalid_json") from None
-        if not isinstance(body, dict):
-            raise APIError(400, "request body must be a JSON object", code="invalid_json")
-        try:
-            chat = ChatCompletionRequest.model_validate(body)
-        except ValidationError as exc:
-            raise from_pydantic(exc) from None
+        chat = parse_chat_request(await read_json_body(request, max_body_bytes))
         if chat.model is not None and chat.model != model_name:
             raise APIError(404, f"the model `{chat.model}` does not exist; this node serves `{model_name}`",
                            param="model", code="model_not_found")
-        if chat.stream:
-            raise APIError(400, "streaming is not supported yet; send stream=false", param="stream")
-        if chat.n not in (None, 1):
-            raise APIError(400, "only n=1 is supported", param="n")
         if chat.top_logprobs:
             raise APIError(400, "top_logprobs > 0 is not supported yet; use 0 or omit it", param="top_logprobs")
 

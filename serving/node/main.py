@@ -40,7 +40,7 @@ def bootstrap_version(engine, registry) -> None:  # type: ignore[no-untyped-def]
 
 def run(settings: Settings, stop: threading.Event | None = None) -> None:
     """Serve the node on ``settings.node.host:port`` until ``stop`` is set (or SIGINT/SIGTERM)."""
-    from flywheel.db.session import make_engine, make_session_factory, upgrade, wait_for_db
+    from flywheel.db.session import make_session_factory, open_database
     from flywheel.live import make_live
     from flywheel.weights.registry import Registry
     from flywheel.weights.store import make_store
@@ -52,13 +52,8 @@ def run(settings: Settings, stop: threading.Event | None = None) -> None:
     import torch
 
     torch.set_num_threads(settings.torch_threads)
-    url = settings.database_url
-    if url.startswith("sqlite"):
-        settings.data_path.mkdir(parents=True, exist_ok=True)
-    wait_for_db(url, settings.db.wait_s)
-    upgrade(url)
     with contextlib.ExitStack() as cleanup:
-        db = make_engine(url)
+        db = open_database(settings.database_url, settings.db.wait_s)
         cleanup.callback(db.dispose)
         sessions = make_session_factory(db)
         registry = Registry(sessions, make_store(settings), settings.model.line, full_every=settings.trainer.full_every)

@@ -215,3 +215,40 @@ def test_a_bus_that_refuses_the_event_is_a_503_not_an_acknowledgement(settings, 
         assert err["code"] == "capture_unavailable" and "retry" in err["message"]
         assert "flywheel_feedback_captured_total 0.0" in client.get("/metrics").text
     assert _drain(bus, settings, "check-4")[settings.topic("feedback")] == []
+
+
+def test_hostile_bodies_get_a_400_never_a_500(tmp_path):
+    """Nesting past the parser's recursion limit, nesting the event could not serialise, control
+    characters in ids and session headers, non-finite values, out-of-range seeds."""
+    from fastapi.testclient import TestClient
+
+    from flywheel.bus import make_bus
+    from flywheel.settings import load_settings
+    from serving.gateway.app import create_app
+
+    import httpx
+
+    settings = load_settings(data_dir=str(tmp_path), gateway={"upstream": "http://127.0.0.1:9"})
+    bus = make_bus(settings)
+    with TestClient(create_app(settings, bus.producer(), httpx.AsyncClient())) as client:
+        deep = "[" * 100_000 + "]" * 100_000
+        assert client.post("/v1/chat/completions", content=deep).status_code == 400
+        nested = {"model": "m", "messages": [{"role": "user", "content": "x"}], "metadata": {}}
+        cursor = nested["metadata"]
+        for _ in range(200):
+            cursor["a"] = {}
+            cursor = cursor["a"]
+        r = client.post("/v1/chat/completions", json=nested)
+        assert r.status_code == 400 and "nests deeper" in r.json()["error"]["message"]
+        chat = {"messages": [{"role": "user", "content": "x"}]}
+        assert client.post("/v1/chat/completions", json=chat | {"seed": 2**64}).status_code == 400
+        r = client.post("/v1/chat/completions", json=chat, headers={"X-Flywheel-Session": "a\x01b"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "session_id"
+        for bad in ({"feedback_id": "a\x00b"}, {"session_id": "s\x00"}, {"signal": "x\x00", "kind": "custom"}):
+            item = {"feedback_id": "f", "session_id": "s", "kind": "explicit", "signal": "thumbs", "value": 1} | bad
+            r = client.post("/v1/feedback", json=item)
+            assert r.status_code == 400, (bad, r.text)
+        r = client.post("/v1/feedback", content=b'{"feedback_id": "f", "session_id": "s", "kind": "outcome", '
+                                                 b'"signal": "task_solved", "value": NaN}')
+        assert r.status_code == 400
+    bus.close()

@@ -111,7 +111,8 @@ def test_group_baselines() -> None:
 # --- the trainer's buffer and batching (trainer/buffer.py) ----------------------------------------------
 
 
-def scored(event_id: str, versions: list[int], *, rewards: list[float] | None = None) -> "ScoredTrajectory":
+def scored(event_id: str, versions: list[int], *, rewards: list[float] | None = None,
+           trajectory_id: str | None = None, revision: int = 0, temperature: float = 1.0) -> "ScoredTrajectory":
     from flywheel.events import ScoredTrajectory
 
     tokens, mask, logprobs, turns = [9], [0], [0.0], []
@@ -119,11 +120,12 @@ def scored(event_id: str, versions: list[int], *, rewards: list[float] | None = 
         tokens += [10 + k, 20 + k]
         mask += [0, 1]
         logprobs += [0.0, -0.5 - k]
-        turns.append(Turn(generation_id=f"{event_id}-{k}", start=len(tokens) - 1, end=len(tokens), behaviour_version=v))
+        turns.append(Turn(generation_id=f"{event_id}-{k}", start=len(tokens) - 1, end=len(tokens), behaviour_version=v,
+                          temperature=temperature))
     segs = [Segment(tokens=tokens, mask=mask, logprobs=logprobs, turns=turns)]
     rewards = rewards if rewards is not None else [1.0] * len(versions)
-    return ScoredTrajectory(event_id=event_id, tenant="t", session_id=event_id, trajectory_id=event_id, model_line="m",
-                            segments=segs, turn_rewards=rewards, total_reward=sum(rewards), reward_spec_version="x")
+    return ScoredTrajectory(event_id=event_id, tenant="t", session_id=event_id, trajectory_id=trajectory_id or event_id,
+                            revision=revision, model_line="m", segments=segs, turn_rewards=rewards, total_reward=sum(rewards), reward_spec_version="x")
 
 
 def test_buffer_staleness_duplicates_and_fifo() -> None:
@@ -143,6 +145,31 @@ def test_buffer_staleness_duplicates_and_fifo() -> None:
     assert [e.sample.event_id for e in buf.take(2)] == ["c", "d"]
     assert buf.counters() == {"buffered": 0, "added": 3, "taken": 2, "dropped_duplicate": 1, "dropped_empty": 1,
                               "dropped_stale": 2}
+
+
+def test_buffer_trains_each_trajectory_once_newest_revision_first() -> None:
+    from trainer.buffer import SampleBuffer
+
+    buf = SampleBuffer(max_staleness=4)
+    assert buf.add(scored("a0", [0], trajectory_id="a", revision=0), None, 0) is None
+    assert buf.add(scored("b0", [0], trajectory_id="b", revision=0), None, 0) is None
+    assert buf.add(scored("a1", [0], trajectory_id="a", revision=1), None, 0) is None  # replaces a0
+    assert buf.add(scored("a0x", [0], trajectory_id="a", revision=0), None, 0) == "superseded"  # older than queued
+    assert buf.take(2) == []  # superseded entries must be purged (and their records released) first
+    assert [e.sample.event_id for e in buf.purge_stale(0)] == ["a0"]
+    assert [e.sample.event_id for e in buf.take(2)] == ["b0", "a1"]
+    assert buf.add(scored("a2", [0], trajectory_id="a", revision=2), None, 0) == "already_trained"
+    assert buf.counters()["dropped_superseded"] == 2 and buf.counters()["dropped_already_trained"] == 1
+
+
+def test_turns_not_sampled_at_temperature_one_are_not_trained() -> None:
+    from trainer.buffer import collate, trainable_mask
+
+    hot, cold = scored("h", [0, 0]), scored("c", [0, 0], temperature=0.0)
+    assert trainable_mask(hot.segments[0]) == hot.segments[0].mask
+    assert sum(trainable_mask(cold.segments[0])) == 0
+    batch = collate([hot, cold], [0.0, 0.0])
+    assert batch.mask[0].sum() == 2 and batch.mask[1].sum() == 0
 
 
 def test_offset_tracker_commits_only_done_prefixes() -> None:

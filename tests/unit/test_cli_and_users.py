@@ -1,0 +1,50 @@
+"""The console script's validation-first behaviour and the simulated users' pure reactions."""
+
+import json
+import random
+
+import pytest
+
+from flywheel.cli import main
+from flywheel.events import FeedbackEvent
+from flywheel.simusers import Behaviour, react
+
+pytestmark = pytest.mark.unit
+
+
+def test_schema_prints_every_wire_contract(capsys):
+    assert main(["schema"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["schema_version"] == 1
+    assert set(out["events"]) == {"GenerationEvent", "FeedbackEvent", "TrajectoryEvent", "ScoredTrajectory", "VersionEvent"}
+    assert "completion_logprobs" in out["events"]["GenerationEvent"]["properties"]
+
+
+def test_invalid_settings_exit_2_with_every_problem(monkeypatch, capsys):
+    monkeypatch.setenv("FLYWHEEL_TRAINER__LR", "-1")
+    monkeypatch.setenv("FLYWHEEL_GATEWAY__PORT", "99999")
+    assert main(["settings"]) == 2
+    err = capsys.readouterr().err
+    assert "2 invalid setting(s)" in err and "trainer.lr" in err and "gateway.port" in err
+
+
+def test_right_answers_end_the_session_with_a_solved_outcome():
+    for seed in range(50):
+        r = react(random.Random(seed), Behaviour(), correct=True, attempt=0, generation_id="g")
+        assert not r.retry and r.feedback[-1] == {"kind": "outcome", "signal": "task_solved", "value": 1}
+
+
+def test_wrong_answers_retry_until_the_last_attempt_then_abandon():
+    b = Behaviour(p_retry_when_wrong=1.0, max_attempts=3)
+    rng = random.Random(0)
+    assert react(rng, b, correct=False, attempt=0, generation_id="g").retry
+    last = react(rng, b, correct=False, attempt=2, generation_id="g")
+    assert not last.retry and last.feedback[-1]["signal"] == "abandon"
+
+
+def test_every_reaction_is_valid_feedback():
+    rng = random.Random(7)
+    for attempt in range(3):
+        for correct in (True, False):
+            for item in react(rng, Behaviour(), correct, attempt, "gen-1").feedback:
+                FeedbackEvent(tenant="t", session_id="s", feedback_id="f", **item)  # raises if invalid
