@@ -3,7 +3,7 @@
 A *state* is a ``dict[str, torch.Tensor]`` (CPU or not; it is read through CPU views). Everything
 here is a pure function of its inputs: no IO, no globals that change.
 
-Delta container (format version 1), all integers little-endian::
+Delta container (format version 2), all integers little-endian::
 
     MAGIC (8 bytes) | u16 format version | u32 header length | header JSON (UTF-8) | payload
 
@@ -12,13 +12,19 @@ order): name, dtype, shape, scheme, and the byte lengths of its payload blobs (w
 another in header order). Schemes:
 
 - ``same``: the tensor equals the base's, bit for bit; no payload.
-- ``sparse``: only the changed elements. Positions are gaps between consecutive changed indices;
-  values are the *step* between the old and new element in an order-preserving integer view of
-  the bits (for floats the usual sign-magnitude to monotone map, so a move of one ULP is a step of
-  +-1), zigzag coded. Each integer stream is packed at a fixed width chosen per stream (1, 2, 4 or
-  8 bytes, larger values escaped to a side stream of u64), split into byte planes and zstd coded.
-  Steps wrap modulo the element width, so every bit pattern (NaN payloads, -0.0, infinities,
-  denormals) round-trips exactly.
+- ``sparse``: only the changed elements, in up to three *classes* by the magnitude of the OLD
+  element (``classes``: increasing magnitude thresholds at float exponent boundaries, which the
+  receiver evaluates on the base it already has; small weights change far more often under Adam,
+  so per-class coding beats the order-0 floor H(p)/p). Per class, the changed elements' ranks
+  within the class are gap coded with a Rice code (``rice``: its parameter; ``counts``: changed
+  elements) as two packed bit streams, the unary quotients and the fixed-width remainders
+  (``parts``: their byte lengths, class by class), so both encode and decode vectorised. Then one
+  stream of values for all classes in the same order: the *step* between the old and new element
+  in an order-preserving integer view of the bits (for floats the usual sign-magnitude to
+  monotone map, so a move of one ULP is a step of +-1), zigzag coded, packed at a fixed width
+  chosen per stream (1, 2, 4 or 8 bytes, larger values escaped to a side stream of u64), split
+  into byte planes and zstd coded. Steps wrap modulo the element width, so every bit pattern
+  (NaN payloads, -0.0, infinities, denormals) round-trips exactly.
 - ``full``: the new tensor's raw bytes, split into byte planes and zstd coded. Used for tensors
   absent from the base, dtype or shape changes, and whenever it is smaller than ``sparse``.
 
@@ -47,7 +53,7 @@ import zstandard
 State = dict[str, torch.Tensor]
 
 MAGIC = b"FWDELTA\x00"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 ZSTD_LEVEL = 3
 _PREFIX = struct.Struct("<HI")
 _STREAM_HEAD = struct.Struct("<BQ")
@@ -302,6 +308,131 @@ def _unpack(data: bytes | memoryview, count: int, dctx: zstandard.ZstdDecompress
     return main
 
 
+# --- Rice-coded gap streams ---------------------------------------------------------------------
+
+
+def _rice_k(gaps: np.ndarray) -> int:
+    """The Rice parameter that minimises the exact coded size of ``gaps`` (uint64)."""
+    if gaps.size == 0:
+        return 0
+    mean = float(gaps.mean())
+    centre = int(math.log2(mean * math.log(2) + 1)) if mean > 0 else 0
+    best = (math.inf, 0)
+    for k in range(max(0, centre - 2), min(63, centre + 3)):
+        cost = gaps.size * (k + 1) + int((gaps >> np.uint64(k)).sum(dtype=np.uint64))
+        best = min(best, (cost, k))
+    return best[1]
+
+
+def _bit_width(k: int) -> int:
+    """Bytes of the smallest unsigned type that holds ``k`` bits."""
+    return next(w for w in (1, 2, 4, 8) if k <= 8 * w)
+
+
+def _rice_encode(gaps: np.ndarray, k: int) -> tuple[bytes, bytes]:
+    """Rice code of uint64 ``gaps`` as two bit streams: the quotients ``g >> k`` in unary (that many
+    0 bits, then a 1) and the low ``k`` bits of each gap at fixed width, both packed LSB first. Kept
+    apart so that both decode without a sequential scan."""
+    if gaps.size == 0:
+        return b"", b""
+    quotient = gaps >> np.uint64(k)
+    ends = np.cumsum(quotient + np.uint64(1)) - np.uint64(1)
+    unary = np.zeros(int(ends[-1]) + 1, dtype=np.uint8)
+    unary[ends.astype(np.int64)] = 1
+    if k == 0:
+        return np.packbits(unary, bitorder="little").tobytes(), b""
+    width = _bit_width(k)
+    low = (gaps & np.uint64((1 << k) - 1)).astype(_UINT[width]).astype(np.dtype(_UINT[width]).newbyteorder("<"))
+    bits = np.unpackbits(low.view(np.uint8).reshape(-1, width), axis=1, bitorder="little")[:, :k]
+    return np.packbits(unary, bitorder="little").tobytes(), np.packbits(bits, bitorder="little").tobytes()
+
+
+def _rice_decode(unary: bytes | memoryview, low: bytes | memoryview, k: int, count: int, what: str) -> np.ndarray:
+    """Inverse of :func:`_rice_encode`: exactly ``count`` uint64 gaps, or :class:`DeltaError`."""
+    if count == 0:
+        if len(unary) or len(low):
+            raise DeltaError(f"{what}: bytes for an empty stream")
+        return np.empty(0, dtype=np.uint64)
+    if not 0 <= k < 64 or len(low) != (count * k + 7) // 8:
+        raise DeltaError(f"{what}: bad Rice parameter {k} or remainder length {len(low)}")
+    ends = np.flatnonzero(np.unpackbits(np.frombuffer(unary, dtype=np.uint8), bitorder="little"))
+    if ends.size != count or (int(ends[-1]) >> 3) != len(unary) - 1:
+        raise DeltaError(f"{what}: unary stream holds {ends.size} codes, {count} expected")
+    quotient = np.diff(ends, prepend=-1).astype(np.uint64) - np.uint64(1)
+    if k == 0:
+        return quotient
+    if int(ends[-1]) - count + 1 >= 1 << (64 - k):
+        raise DeltaError(f"{what}: gap out of range")
+    width = _bit_width(k)
+    bits = np.unpackbits(np.frombuffer(low, dtype=np.uint8), count=count * k, bitorder="little").reshape(count, k)
+    padded = np.zeros((count, 8 * width), dtype=np.uint8)
+    padded[:, :k] = bits
+    rem = np.packbits(padded, axis=1, bitorder="little").view(np.dtype(_UINT[width]).newbyteorder("<"))
+    return (quotient << np.uint64(k)) | rem.reshape(-1).astype(np.uint64)
+
+
+# --- magnitude classes --------------------------------------------------------------------------
+
+# Mantissa bits of the float dtypes whose exponent gives the position context.
+_MANTISSA = {torch.bfloat16: 7, torch.float16: 10, torch.float32: 23, torch.float64: 52}
+_MAX_CLASSES = 3
+_SAMPLE_STRIDE = 8
+# Coded-size allowance for each extra class (its stream lengths in the header, Rice tail): bits.
+_CLASS_COST_BITS = 400
+
+
+def _magnitude(bits: np.ndarray) -> np.ndarray:
+    return bits & bits.dtype.type((1 << (8 * bits.dtype.itemsize - 1)) - 1)
+
+
+def _binary_entropy_bits(k: np.ndarray, n: np.ndarray) -> np.ndarray:
+    with np.errstate(divide="ignore", invalid="ignore"):
+        p = np.where(n > 0, k / np.maximum(n, 1), 0.0)
+        h = -(np.where(p > 0, p * np.log2(p), 0.0) + np.where(p < 1, (1 - p) * np.log2(1 - p), 0.0))
+    return n * h
+
+
+def _choose_thresholds(old_bits: np.ndarray, idx: np.ndarray, mantissa: int) -> list[int]:
+    """Magnitude thresholds (as bit patterns at exponent boundaries) that split the elements into
+    at most :data:`_MAX_CLASSES` classes with different change rates, chosen to minimise the sum of
+    n_c * H(p_c) on a sample. Returns ``[]`` for one class. Only affects size, never correctness."""
+    size = 1 << (8 * old_bits.dtype.itemsize - 1 - mantissa)
+    exponents_all = (_magnitude(old_bits[::_SAMPLE_STRIDE]) >> old_bits.dtype.type(mantissa)).astype(np.int64)
+    n_e = np.bincount(exponents_all, minlength=size).astype(np.float64) * (old_bits.size / max(1, exponents_all.size))
+    k_e = np.bincount((_magnitude(old_bits[idx]) >> old_bits.dtype.type(mantissa)).astype(np.int64), minlength=size)
+    n_e = np.maximum(n_e, k_e)
+    present = np.flatnonzero(n_e > 0)
+    if present.size < 2:
+        return []
+    cuts = np.concatenate([present, [size]])  # class boundaries may sit at any present exponent
+    cn = np.concatenate([[0.0], np.cumsum(n_e)])[cuts]
+    ck = np.concatenate([[0.0], np.cumsum(k_e)])[cuts].astype(np.float64)
+    # cost[i, j]: coding the exponents in [cuts[i], cuts[j]) as one class (i < j).
+    cost = _binary_entropy_bits(ck[None, :] - ck[:, None], cn[None, :] - cn[:, None]) + _CLASS_COST_BITS
+    cost[np.tril_indices(cuts.size)] = np.inf
+    last = cuts.size - 1
+    best, plan = cost[0, last], []
+    two = cost[0, :] + cost[:, last]
+    j = int(np.argmin(two))
+    if two[j] < best:
+        best, plan = two[j], [j]
+    if _MAX_CLASSES >= 3:
+        first = cost[0, :, None] + cost  # [i, j]: classes [0, i) and [i, j)
+        head = first.min(axis=0)
+        three = head + cost[:, last]
+        j = int(np.argmin(three))
+        if three[j] < best:
+            i = int(np.argmin(first[:, j]))
+            best, plan = three[j], [i, j]
+    return [int(cuts[c]) << mantissa for c in plan]
+
+
+def _class_sets(old_bits: np.ndarray, thresholds: list[int]) -> list[np.ndarray]:
+    """Positions of the elements with magnitude below each threshold (nested, increasing)."""
+    mag = _magnitude(old_bits)
+    return [np.flatnonzero(mag < old_bits.dtype.type(t)) for t in thresholds]
+
+
 # --- per-tensor coding --------------------------------------------------------------------------
 
 
@@ -333,19 +464,40 @@ def _encode_tensor(name: str, old: torch.Tensor | None, new: torch.Tensor) -> tu
     if idx.size == 0:
         entry.update(scheme="same", changed=0)
         return entry, []
-    gaps = np.diff(idx, prepend=-1) - 1
     floating = new.dtype.is_floating_point
-    steps = _zigzag(_keys(new_bits[idx], floating) - _keys(old_bits[idx], floating))
-    pos_blob = _pack(gaps.astype(np.uint64), cctx)
-    step_blob = _pack(steps, cctx)
-    sparse_len = len(pos_blob) + len(step_blob)
+    mantissa = _MANTISSA.get(new.dtype)
+    thresholds = _choose_thresholds(old_bits, idx, mantissa) if mantissa is not None and idx.size > 64 else []
+    sets = _class_sets(old_bits, thresholds)
+    klass = np.searchsorted(np.asarray(thresholds, dtype=old_bits.dtype), _magnitude(old_bits[idx]), side="right")
+    blobs: list[bytes] = []
+    counts: list[int] = []
+    ks: list[int] = []
+    order: list[np.ndarray] = []
+    for c in range(len(thresholds) + 1):
+        members = idx[klass == c] if thresholds else idx
+        # Rank of each member within its class: elements below the class's upper threshold minus
+        # those below its lower threshold, counted before it.
+        rank = np.searchsorted(sets[c], members) if c < len(sets) else members.copy()
+        if c > 0:
+            rank -= np.searchsorted(sets[c - 1], members)
+        gaps = (np.diff(rank, prepend=-1) - 1).astype(np.uint64)
+        k = _rice_k(gaps)
+        blobs.extend(_rice_encode(gaps, k))
+        counts.append(int(members.size))
+        ks.append(k)
+        order.append(members)
+    moved = np.concatenate(order) if len(order) > 1 else order[0]
+    steps = _zigzag(_keys(new_bits[moved], floating) - _keys(old_bits[moved], floating))
+    blobs.append(_pack(steps, cctx))
+    sparse_len = sum(len(b) for b in blobs)
     if sparse_len > _TRY_FULL_ABOVE * new_bits.nbytes:
         full_blob = _encode_full_tensor(new_bits, cctx)
         if len(full_blob) < sparse_len:
             entry.update(scheme="full", changed=int(idx.size), len=len(full_blob))
             return entry, [full_blob]
-    entry.update(scheme="sparse", changed=int(idx.size), pos_len=len(pos_blob), len=sparse_len)
-    return entry, [pos_blob, step_blob]
+    entry.update(scheme="sparse", changed=int(idx.size), len=sparse_len, classes=thresholds, counts=counts,
+                 rice=ks, parts=[len(b) for b in blobs[:-1]])
+    return entry, blobs
 
 
 def encode_delta_with_summary(
@@ -411,6 +563,10 @@ def read_delta_header(delta: bytes | memoryview) -> tuple[DeltaHeader, int]:
     return parsed, start + head_len
 
 
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
 def _check_entry(entry: Any) -> tuple[str, torch.dtype, tuple[int, ...], str]:
     try:
         name, scheme, shape = entry["name"], entry["scheme"], tuple(entry["shape"])
@@ -420,11 +576,15 @@ def _check_entry(entry: Any) -> tuple[str, torch.dtype, tuple[int, ...], str]:
         raise DeltaError(f"corrupt tensor entry in delta header: {entry!r:.200}")
     if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
         raise DeltaError(f"bad shape {shape!r} for tensor {name!r}")
-    required = {"same": (), "full": ("len",), "sparse": ("len", "pos_len", "changed")}[scheme]
+    required = {"same": (), "full": ("len",), "sparse": ("len", "changed")}[scheme]
     for key in required:
-        value = entry.get(key)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        if not _is_count(entry.get(key)):
             raise DeltaError(f"missing or bad {key!r} for tensor {name!r}")
+    if scheme == "sparse":
+        for key in ("classes", "counts", "rice", "parts"):
+            value = entry.get(key)
+            if not isinstance(value, list) or not all(_is_count(v) for v in value):
+                raise DeltaError(f"missing or bad {key!r} for tensor {name!r}")
     return name, _parse_dtype(entry.get("dtype")), shape, scheme
 
 
@@ -452,36 +612,52 @@ def _decode_tensor(
     # sparse
     if old is None or old.dtype != dtype or tuple(old.shape) != shape or width not in _TORCH_VIEW:
         raise DeltaError(f"tensor {name!r} is a sparse delta but the base has no matching tensor")
-    changed, pos_len = entry["changed"], entry["pos_len"]
-    if changed == 0 or changed > numel or pos_len > len(blob):
-        raise DeltaError(f"tensor {name!r}: bad sparse entry ({changed} changed of {numel})")
-    gaps = _unpack(blob[:pos_len], changed, dctx, f"tensor {name!r} positions")
-    steps = _unpack(blob[pos_len:], changed, dctx, f"tensor {name!r} values")
-    if int(gaps.max()) >= numel:
-        raise DeltaError(f"tensor {name!r}: change position out of range")
-    idx = np.cumsum(gaps.astype(np.int64) + 1) - 1
-    if int(idx[-1]) >= numel:
-        raise DeltaError(f"tensor {name!r}: change position out of range")
-    bits = _bits(old).copy()
+    thresholds, counts, ks, parts = entry["classes"], entry["counts"], entry["rice"], entry["parts"]
+    classes = len(thresholds) + 1
+    top = (1 << (8 * width - 1)) - 1
+    if (len(counts) != classes or len(ks) != classes or len(parts) != 2 * classes or classes > _MAX_CLASSES
+            or sum(parts) > len(blob) or sum(counts) != entry["changed"] or not 0 < entry["changed"] <= numel
+            or any(not 0 < t <= top for t in thresholds) or any(a >= b for a, b in zip(thresholds, thresholds[1:]))
+            or (thresholds and dtype not in _MANTISSA)):
+        raise DeltaError(f"tensor {name!r}: bad sparse entry")
+    old_bits = _bits(old)
+    sets = _class_sets(old_bits, thresholds)
+    moved: list[np.ndarray] = []
+    offset = 0
+    for c in range(classes):
+        unary = blob[offset : offset + parts[2 * c]]
+        offset += parts[2 * c]
+        low = blob[offset : offset + parts[2 * c + 1]]
+        offset += parts[2 * c + 1]
+        gaps = _rice_decode(unary, low, ks[c], counts[c], f"tensor {name!r} positions")
+        if not counts[c]:
+            continue
+        rank = np.cumsum(gaps + np.uint64(1)) - np.uint64(1)
+        upper = sets[c] if c < len(sets) else None
+        size = numel if upper is None else upper.size
+        if c > 0:
+            lower = sets[c - 1] if upper is None else np.searchsorted(upper, sets[c - 1])
+            size -= sets[c - 1].size
+        if int(rank[-1]) >= size or int(gaps.max()) >= size:
+            raise DeltaError(f"tensor {name!r}: change position out of range")
+        rank = rank.astype(np.int64)
+        if c > 0:
+            # The rank-th member of ``upper`` that is not in ``lower``.
+            rank = rank + np.searchsorted(lower - np.arange(lower.size), rank, side="right")
+        moved.append(rank if upper is None else upper[rank])
+    steps = _unpack(blob[offset:], entry["changed"], dctx, f"tensor {name!r} values")
+    idx = np.concatenate(moved) if len(moved) > 1 else moved[0]
+    bits = old_bits.copy()
     floating = dtype.is_floating_point
     step = _unzigzag(steps.astype(_UINT[width]))
     bits[idx] = _unkeys(_keys(bits[idx], floating) + step, floating)
     return _from_bits(bits, dtype, shape)
 
 
-def apply_delta(
-    old: Mapping[str, torch.Tensor], delta: bytes | memoryview, *, old_sha256: str | None = None
-) -> State:
-    """Rebuild the target state from its base and a delta; bit-exact or :class:`DeltaError`.
-
-    ``old_sha256``, when the caller already verified it, saves hashing the base again.
-    """
+def decode_unverified(old: Mapping[str, torch.Tensor], delta: bytes | memoryview) -> State:
+    """The state a delta describes on top of ``old``, WITHOUT checking either hash: the decoding
+    work of :func:`apply_delta` alone (for benchmarks). Use :func:`apply_delta` to load weights."""
     header, offset = read_delta_header(delta)
-    base_hash = old_sha256 if old_sha256 is not None else state_sha256(old)
-    if base_hash != header.base_sha256:
-        raise DeltaError(
-            f"delta is for a different parent (base {header.base_sha256[:12]}, given {base_hash[:12]})"
-        )
     view = memoryview(delta)
     jobs = []
     names: list[str] = []
@@ -506,7 +682,23 @@ def apply_delta(
     except (RuntimeError, ValueError, TypeError, OverflowError, IndexError) as exc:
         # Bad input that got past the checks above (an exotic dtype, an impossible view): still bad input.
         raise DeltaError(f"corrupt delta: {type(exc).__name__}: {exc}") from exc
-    result = dict(zip(names, tensors, strict=True))
+    return dict(zip(names, tensors, strict=True))
+
+
+def apply_delta(
+    old: Mapping[str, torch.Tensor], delta: bytes | memoryview, *, old_sha256: str | None = None
+) -> State:
+    """Rebuild the target state from its base and a delta; bit-exact or :class:`DeltaError`.
+
+    ``old_sha256``, when the caller already verified it, saves hashing the base again.
+    """
+    header, _ = read_delta_header(delta)
+    base_hash = old_sha256 if old_sha256 is not None else state_sha256(old)
+    if base_hash != header.base_sha256:
+        raise DeltaError(
+            f"delta is for a different parent (base {header.base_sha256[:12]}, given {base_hash[:12]})"
+        )
+    result = decode_unverified(old, delta)
     got = state_sha256(result)
     if got != header.target_sha256:
         raise DeltaError(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 
 import numpy as np
@@ -362,3 +363,98 @@ def test_integer_streams_round_trip_including_escapes(rng: random.Random) -> Non
         assert np.array_equal(codec._unpack(packed, values.size, dctx, "t"), values.astype(np.uint64))
     with pytest.raises(DeltaError):
         codec._unpack(codec._pack(cases[1], cctx), cases[1].size + 1, dctx, "t")
+
+
+@pytest.mark.parametrize(
+    "kind", ["empty", "one", "zeros", "geometric", "huge_gaps", "mixed", "one_huge"]
+)
+def test_rice_streams_round_trip(rng: random.Random, kind: str) -> None:
+    gen_np = np.random.default_rng(rng.getrandbits(64))
+    values = {
+        "empty": np.array([], dtype=np.uint64),
+        "one": np.array([rng.randrange(1000)], dtype=np.uint64),
+        "zeros": np.zeros(rng.randrange(1, 5000), dtype=np.uint64),  # every element changed
+        "geometric": gen_np.geometric(rng.choice([0.5, 0.02, 0.001]), rng.randrange(1, 20_000)).astype(np.uint64) - 1,
+        "huge_gaps": gen_np.integers(2**16, 2**24, rng.randrange(1, 300)).astype(np.uint64),
+        "mixed": np.concatenate([gen_np.integers(0, 40, 3000), gen_np.integers(2**17, 2**20, 5)]).astype(np.uint64),
+        "one_huge": np.array([2**40 + rng.randrange(1000)], dtype=np.uint64),
+    }[kind]
+    k = codec._rice_k(values)
+    unary, low = codec._rice_encode(values, k)
+    assert np.array_equal(codec._rice_decode(unary, low, k, values.size, "t"), values)
+    if values.size:
+        with pytest.raises(DeltaError):
+            codec._rice_decode(unary, low, k, values.size + 1, "t")  # fewer codes than claimed
+        with pytest.raises(DeltaError):
+            codec._rice_decode(unary + b"\x01", low, k, values.size, "t")  # trailing garbage
+        if k:
+            with pytest.raises(DeltaError):
+                codec._rice_decode(unary, low[:-1], k, values.size, "t")  # truncated remainders
+
+
+def test_rice_cost_is_near_the_geometric_entropy(rng: random.Random) -> None:
+    p = rng.choice([0.005, 0.02, 0.05])
+    gaps = np.random.default_rng(rng.getrandbits(64)).geometric(p, 50_000).astype(np.uint64) - 1
+    unary, low = codec._rice_encode(gaps, codec._rice_k(gaps))
+    entropy = -(p * np.log2(p) + (1 - p) * np.log2(1 - p)) / p  # bits per geometric gap
+    assert 8 * (len(unary) + len(low)) / gaps.size < entropy * 1.03
+
+
+def _context_pair(rng: random.Random, n: int, dtype: torch.dtype) -> tuple[dict, dict]:
+    """Old weights of widely varying magnitude; small ones change far more often (as under Adam)."""
+    g = gen(rng)
+    old = (torch.randn(n, generator=g) * torch.exp2(torch.randint(-14, 2, (n,), generator=g).float())).to(dtype)
+    b = bits(old.clone())
+    rate = torch.where(old.float().abs() < 2**-6, 0.3, 0.002)
+    moved = (torch.rand(n, generator=g) < rate) & ((b & torch.iinfo(b.dtype).max) > 2)
+    step = torch.where(torch.rand(n, generator=g) < 0.5, 1, -1).to(b.dtype)
+    new = torch.where(moved, b + step, b).view(dtype)
+    return {"w": old}, {"w": new}
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_magnitude_classes_round_trip_and_pay_off(rng: random.Random, dtype: torch.dtype) -> None:
+    old, new = _context_pair(rng, 200_000, dtype)
+    delta = encode_delta(old, new)
+    entry = read_delta_header(delta)[0].tensors[0]
+    assert entry["scheme"] == "sparse" and len(entry["classes"]) >= 1
+    assert_same(apply_delta(old, delta), new)
+    stats = delta_stats(old, new)
+    assert stats["bytes_delta"] < stats["bytes_entropy_floor"]  # the context beats the order-0 floor
+
+
+def test_sparse_edge_cases_round_trip(rng: random.Random) -> None:
+    g = gen(rng)
+    n = 300_000
+    base = (torch.randn(n, generator=g) * 0.02).bfloat16()
+    b = bits(base.clone())
+    cases = {
+        "first_only": [0],
+        "last_only": [n - 1],
+        "far_apart": sorted(rng.sample(range(n), 3)),  # gaps far beyond 2**16
+        "all": list(range(n)),
+        "ends": [0, 1, n - 2, n - 1],
+    }
+    for name, positions in cases.items():
+        nb = b.clone()
+        nb[torch.tensor(positions)] += 1
+        new = {"w": nb.view(torch.bfloat16), "one": torch.tensor([1.5], dtype=torch.bfloat16)}
+        old = {"w": base, "one": torch.tensor([1.0], dtype=torch.bfloat16)}
+        delta = encode_delta(old, new)
+        assert_same(apply_delta(old, delta), new)
+    none = {"w": base.clone()}
+    assert read_delta_header(encode_delta({"w": base}, none))[0].tensors[0]["scheme"] == "same"
+
+
+def test_bad_class_entries_are_refused(rng: random.Random) -> None:
+    old, new = _context_pair(rng, 50_000, torch.bfloat16)
+    delta = encode_delta(old, new)
+    _, offset = read_delta_header(delta)
+    for key, value in [("classes", [5, 3]), ("classes", [0]), ("counts", [1, 2]), ("rice", [70] * 3),
+                       ("parts", [10**9, 0]), ("classes", [1 << 20]), ("counts", "x")]:
+        raw = json.loads(bytes(delta[len(codec.MAGIC) + codec._PREFIX.size : offset]))
+        raw["tensors"][0][key] = value
+        head = json.dumps(raw).encode()
+        blob = codec.MAGIC + codec._PREFIX.pack(codec.FORMAT_VERSION, len(head)) + head + delta[offset:]
+        with pytest.raises(DeltaError):
+            apply_delta(old, blob)

@@ -1,0 +1,196 @@
+"""Size and speed of flywheel's lossless weight deltas on checkpoint pairs from real Adam updates.
+
+A small Llama-style transformer (built locally from a config, random init, roughly 10M parameters
+by default) is trained with Adam on an LM loss over random tokens: fp32 master weights, bf16
+exports. For each learning rate it warms up for a few steps, then exports the bf16 state at step
+``s``, ``s + 1`` and ``s + 16``; the pairs ``(s, s+1)`` and ``(s, s+16)`` are what a delta ships.
+
+For each pair, in the same run, it reports:
+
+- ``fraction_changed``: share of elements whose bits differ;
+- ``flywheel_pct``: ``len(encode_delta(old, new))`` as % of the full bf16 bytes;
+- ``xor_zstd_pct``: the naive baseline, XOR of the bits with the old state, zstd level 3, whole state;
+- ``floor_pct``: the order-0 entropy floor (H(p)/p bits per changed position plus the empirical
+  entropy of the steps), as % of full;
+- ``encode_gbps`` / ``decode_gbps``: full bf16 bytes per second of the codec work alone
+  (:func:`encode_delta_with_summary` with both hashes supplied, :func:`decode_unverified`);
+  ``encode_hashed_gbps`` / ``decode_hashed_gbps``: :func:`encode_delta` and :func:`apply_delta`
+  computing every SHA-256 they need; ``decode_verified_gbps``: :func:`apply_delta` with the base
+  hash known (target hash still checked); ``sha256_gbps``: :func:`state_sha256` alone;
+- ``bit_exact``: the applied delta hashes to the new state.
+
+It prints a table and, with ``--json PATH``, writes ``{"pairs": [...]}``. Timings are the best of
+``--repeats`` runs; on a shared machine they are noisy.
+
+    .venv/bin/python -m bench.weights --json /tmp/weights.json
+    .venv/bin/python -m bench.weights --hidden 128 --layers 2 --vocab 2048 --lrs 1e-5 --gaps 1 --json /tmp/w.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import zstandard
+
+from flywheel.weights import codec
+
+State = dict[str, torch.Tensor]
+
+
+def build_model(hidden: int, layers: int, vocab: int, seed: int) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=hidden * 8 // 3 // 64 * 64 or 64,
+        num_hidden_layers=layers,
+        num_attention_heads=max(1, hidden // 64),
+        num_key_value_heads=max(1, hidden // 64),
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+    )
+    return LlamaForCausalLM(config).float()
+
+
+def export(model: torch.nn.Module) -> State:
+    return {n: p.detach().to(torch.bfloat16).contiguous().clone() for n, p in model.named_parameters()}
+
+
+def adam_pairs(*, lr: float, gaps: list[int], warmup: int, hidden: int, layers: int, vocab: int,
+               batch: int, seq: int, seed: int) -> list[tuple[int, State, State]]:
+    """``[(gap, bf16 at step s, bf16 at step s + gap)]`` from one Adam run at ``lr``."""
+    model = build_model(hidden, layers, vocab, seed)
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    gen = torch.Generator().manual_seed(seed + 1)
+    snapshots: dict[int, State] = {}
+    wanted = {warmup} | {warmup + g for g in gaps}
+    for step in range(1, max(wanted) + 1):
+        ids = torch.randint(0, vocab, (batch, seq), generator=gen)
+        loss = model(input_ids=ids, labels=ids).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        if step in wanted:
+            snapshots[step] = export(model)
+    return [(g, snapshots[warmup], snapshots[warmup + g]) for g in gaps]
+
+
+def xor_zstd_bytes(old: State, new: State) -> int:
+    cctx = zstandard.ZstdCompressor(level=3)
+    return sum(len(cctx.compress((codec._bits(old[n]) ^ codec._bits(new[n])).tobytes())) for n in new)
+
+
+def floor_bytes(old: State, new: State) -> float:
+    """Order-0 floor: per tensor, n*H(k/n) bits for the positions plus the empirical entropy of the
+    zigzag steps."""
+    bits = 0.0
+    for name, t in new.items():
+        a, b = codec._bits(old[name]), codec._bits(t)
+        idx = np.flatnonzero(a != b)
+        n, k = a.size, idx.size
+        if k == 0 or k == n:
+            pos = 0.0
+        else:
+            p = k / n
+            pos = -n * (p * math.log2(p) + (1 - p) * math.log2(1 - p))
+        steps = codec._zigzag(codec._keys(b[idx], True) - codec._keys(a[idx], True))
+        counts = np.unique(steps, return_counts=True)[1].astype(np.float64)
+        q = counts / max(1, k)
+        bits += pos + float(-(counts * np.log2(q)).sum())
+    return bits / 8
+
+
+def _best(fn: Any, repeats: int) -> tuple[float, Any]:
+    best, out = math.inf, None
+    for _ in range(repeats):
+        start = time.perf_counter()
+        out = fn()
+        best = min(best, time.perf_counter() - start)
+    return best, out
+
+
+def measure(old: State, new: State, repeats: int) -> dict[str, Any]:
+    full = sum(t.numel() * t.element_size() for t in new.values())
+    changed, elements = codec.count_changed(old, new)
+    old_sha, new_sha = codec.state_sha256(old), codec.state_sha256(new)
+    enc_s, delta = _best(lambda: codec.encode_delta_with_summary(old, new, old_sha256=old_sha, new_sha256=new_sha)[0],
+                         repeats)
+    enc_h_s, _ = _best(lambda: codec.encode_delta(old, new), repeats)
+    # apply_delta always verifies the target hash; with old_sha256 given it skips hashing the base.
+    dec_s, _ = _best(lambda: codec.decode_unverified(old, delta), repeats)
+    dec_v_s, result = _best(lambda: codec.apply_delta(old, delta, old_sha256=old_sha), repeats)
+    dec_h_s, _ = _best(lambda: codec.apply_delta(old, delta), repeats)
+    hash_s, _ = _best(lambda: codec.state_sha256(new), repeats)
+    exact = codec.state_sha256(result) == new_sha and all(
+        hashlib.sha256(codec._bits(result[n]).tobytes()).digest() == hashlib.sha256(codec._bits(new[n]).tobytes()).digest()
+        for n in new)
+    return {
+        "elements": elements,
+        "fraction_changed": changed / elements,
+        "full_bytes": full,
+        "flywheel_bytes": len(delta),
+        "flywheel_pct": 100 * len(delta) / full,
+        "xor_zstd_pct": 100 * xor_zstd_bytes(old, new) / full,
+        "floor_pct": 100 * floor_bytes(old, new) / full,
+        "encode_gbps": full / enc_s / 1e9,
+        "decode_gbps": full / dec_s / 1e9,
+        "encode_hashed_gbps": full / enc_h_s / 1e9,
+        "decode_hashed_gbps": full / dec_h_s / 1e9,
+        "decode_verified_gbps": full / dec_v_s / 1e9,
+        "sha256_gbps": full / hash_s / 1e9,
+        "bit_exact": bool(exact),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--hidden", type=int, default=384)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--lrs", type=float, nargs="+", default=[1e-6, 3e-6, 1e-5])
+    parser.add_argument("--gaps", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--warmup", type=int, default=8, help="Adam steps before the first export")
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", type=Path, help="write {'pairs': [...]} here")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(2)
+    rows = []
+    for lr in args.lrs:
+        started = time.monotonic()
+        pairs = adam_pairs(lr=lr, gaps=args.gaps, warmup=args.warmup, hidden=args.hidden, layers=args.layers,
+                           vocab=args.vocab, batch=args.batch, seq=args.seq, seed=args.seed)
+        train_s = time.monotonic() - started
+        for gap, old, new in pairs:
+            row = {"lr": lr, "steps_apart": gap, **measure(old, new, args.repeats), "train_s": round(train_s, 1)}
+            rows.append(row)
+            print(f"lr={lr:g} gap={gap}: changed {row['fraction_changed']:.4f} flywheel {row['flywheel_pct']:.3f}% "
+                  f"floor {row['floor_pct']:.3f}%", flush=True)
+    params = rows[0]["elements"] if rows else 0
+    print(f"\nmodel: {params / 1e6:.1f}M parameters, {rows[0]['full_bytes'] / 1e6:.1f} MB bf16" if rows else "")
+    head = (f"{'lr':>7} {'apart':>5} {'changed':>8} {'flywheel%':>9} {'xor+zstd%':>9} {'floor%':>7} {'fw/floor':>8} "
+            f"{'enc GB/s':>8} {'dec GB/s':>8} {'enc+h':>6} {'dec+h':>6} {'sha GB/s':>8} {'exact':>5}")
+    print(head)
+    for r in rows:
+        print(f"{r['lr']:>7g} {r['steps_apart']:>5} {r['fraction_changed']:>8.4f} {r['flywheel_pct']:>9.3f} "
+              f"{r['xor_zstd_pct']:>9.3f} {r['floor_pct']:>7.3f} {r['flywheel_pct'] / r['floor_pct']:>8.3f} "
+              f"{r['encode_gbps']:>8.2f} {r['decode_gbps']:>8.2f} {r['encode_hashed_gbps']:>6.2f} "
+              f"{r['decode_hashed_gbps']:>6.2f} {r['sha256_gbps']:>8.2f} {str(r['bit_exact']):>5}")
+    if args.json:
+        args.json.write_text(json.dumps({"pairs": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
