@@ -116,7 +116,8 @@ class TrainerSettings(_Section):
     #: (bench/learnability.py: 2e-5 x 2 steps changes ~18%, a delta of ~9% of the full checkpoint;
     #: one step per version halves that).
     lr: float = Field(2e-5, ge=0)
-    #: Linear learning-rate warm-up over this many optimizer steps after (re)start.
+    #: Linear learning-rate warm-up over this many optimizer steps from a start without a checkpoint
+    #: (a restart from a checkpoint resumes the schedule).
     warmup_steps: int = Field(10, ge=1)
     #: Trajectories per optimizer step.
     batch_size: int = Field(32, ge=1)
@@ -131,6 +132,11 @@ class TrainerSettings(_Section):
     full_every: int = Field(50, ge=1)
     seed: int = 0
     weight_decay: float = Field(0.0, ge=0)
+    #: Where the trainer's checkpoints live (one folder per model line below it); empty means
+    #: ``{data_dir}/trainer``. A checkpoint is written at every publish point (trainer/checkpoint.py).
+    checkpoint_dir: str = ""
+    #: Checkpoints kept; only the newest is ever loaded, older ones are for inspection.
+    keep_checkpoints: int = Field(2, ge=1)
 
 
 class RolloutSettings(_Section):

@@ -10,7 +10,12 @@
   queued older one, and a revision arriving after its trajectory was trained is dropped.
 - :class:`OffsetTracker` says which bus records may be committed: on each partition, only the
   prefix of records that are done (trained, dropped or dead-lettered), so a crash never skips a
-  sample still waiting in the buffer.
+  sample still waiting in the buffer. It also remembers how far each partition was read, so that
+  after a restart from a checkpoint the records the bus delivers again (not yet committed) but
+  whose fate the checkpoint already holds are recognised and not processed twice.
+- Both have a ``state_dict`` / ``load_state_dict`` pair of plain Python data (ints, strings,
+  bytes, lists, dicts) for the trainer's checkpoint: a restored buffer and tracker behave exactly
+  as the ones saved (queued samples in order, de-dup memories, counters, pending records).
 - :func:`collate` pads a batch of trajectories into ``[B, T]`` tensors, one row per segment.
 """
 
@@ -19,6 +24,7 @@ from __future__ import annotations
 from collections import Counter, OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -144,36 +150,126 @@ class SampleBuffer:
         while len(ids) > self._remember_n:
             ids.popitem(last=False)
 
+    def state_dict(self) -> dict[str, Any]:
+        """Everything the buffer knows, as plain data: queued samples as their raw bytes and record
+        coordinates (in order, superseded ones flagged), the bounded de-dup memories, the counters."""
+        superseded = {id(e) for e in self._superseded}
+        return {
+            "entries": [
+                {
+                    "raw": entry.record.value if entry.record is not None else entry.sample.to_bytes(),
+                    "record": None if entry.record is None else _coordinates(entry.record),
+                    "version": entry.version,
+                    "superseded": id(entry) in superseded,
+                }
+                for entry in self._entries
+            ],
+            "seen": list(self._seen),
+            "trained": list(self._trained),
+            "dropped": dict(self.dropped),
+            "added": self.added,
+            "taken": self.taken,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Become the buffer that ``state`` was saved from (this one must be empty)."""
+        if self._entries or self._seen or self._trained or self.added:
+            raise ValueError("load_state_dict needs a fresh buffer")
+        for item in state["entries"]:
+            sample = ScoredTrajectory.from_bytes(item["raw"])
+            record = None if item["record"] is None else _record(item["record"], item["raw"])
+            entry = Entry(sample, record, item["version"])
+            self._entries.append(entry)
+            if item["superseded"]:
+                self._superseded.append(entry)
+            else:
+                self._queued[sample.trajectory_id] = entry
+        self._seen = OrderedDict.fromkeys(state["seen"])
+        self._trained = OrderedDict.fromkeys(state["trained"])
+        self.dropped = Counter(state["dropped"])
+        self.added, self.taken = state["added"], state["taken"]
+
+
+def _coordinates(record: Record) -> tuple[str, int, int, str | None]:
+    return (record.topic, record.partition, record.offset, record.key)
+
+
+def _record(coordinates: Sequence[Any], value: bytes = b"") -> Record:
+    topic, partition, offset, key = coordinates
+    return Record(topic, partition, offset, key, value)
+
 
 class OffsetTracker:
-    """Which polled records may be committed: per partition, the longest prefix that is done."""
+    """Which polled records may be committed: per partition, the longest prefix that is done.
+
+    ``positions`` is the next offset to read per partition; a record below it was seen before:
+    after a restart, the bus redelivers everything after its committed offset, and the records up
+    to the checkpoint's positions already have their fate in the restored state (buffered,
+    trained, dropped), so :meth:`track` tells the caller to skip them.
+    """
 
     def __init__(self) -> None:
-        self._pending: dict[tuple[str, int], OrderedDict[int, Record]] = {}
-        self._done: set[tuple[str, int, int]] = set()
+        self._records: dict[tuple[str, int], dict[int, Record]] = {}
+        self._done: dict[tuple[str, int], set[int]] = {}
+        self.positions: dict[tuple[str, int], int] = {}
 
-    def track(self, record: Record) -> None:
-        self._pending.setdefault((record.topic, record.partition), OrderedDict())[record.offset] = record
+    def track(self, record: Record) -> bool:
+        """Start tracking a polled record; ``False`` when it was read before (redelivered after a
+        restart): the caller skips it. One that is no longer tracked was done (the checkpoint's
+        committed prefix, perhaps not committed on the bus yet), so it is tracked again as done."""
+        pair = (record.topic, record.partition)
+        records = self._records.setdefault(pair, {})
+        done = self._done.setdefault(pair, set())
+        if record.offset < self.positions.get(pair, 0):
+            if record.offset not in records:
+                records[record.offset] = record
+                done.add(record.offset)
+            return False
+        self.positions[pair] = record.offset + 1
+        records[record.offset] = record
+        return True
 
     def done(self, record: Record) -> None:
-        self._done.add((record.topic, record.partition, record.offset))
+        self._done.setdefault((record.topic, record.partition), set()).add(record.offset)
 
     def committable(self) -> list[Record]:
         """The last record of each partition's done prefix (committing it covers the prefix);
         those records stop being tracked."""
         out: list[Record] = []
-        for (topic, partition), records in self._pending.items():
+        for pair, records in self._records.items():
+            done = self._done.get(pair, set())
             last: Record | None = None
-            while records:
-                offset, record = next(iter(records.items()))
-                if (topic, partition, offset) not in self._done:
+            for offset in sorted(records):
+                if offset not in done:
                     break
-                records.popitem(last=False)
-                self._done.discard((topic, partition, offset))
-                last = record
+                last = records.pop(offset)
+                done.discard(offset)
             if last is not None:
                 out.append(last)
         return out
+
+    def state_dict(self) -> dict[str, Any]:
+        """Positions and the tracked records (coordinates and whether done), as plain data."""
+        return {
+            "positions": [[topic, partition, offset] for (topic, partition), offset in sorted(self.positions.items())],
+            "records": [
+                [*_coordinates(record), offset in self._done.get(pair, set())]
+                for pair, records in sorted(self._records.items())
+                for offset, record in sorted(records.items())
+            ],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Become the tracker that ``state`` was saved from (commits need only the coordinates)."""
+        self.positions = {(topic, partition): offset for topic, partition, offset in state["positions"]}
+        self._records, self._done = {}, {}
+        for *coordinates, done in state["records"]:
+            record = _record(coordinates)
+            pair = (record.topic, record.partition)
+            self._records.setdefault(pair, {})[record.offset] = record
+            done_here = self._done.setdefault(pair, set())
+            if done:
+                done_here.add(record.offset)
 
 
 @dataclass(frozen=True)

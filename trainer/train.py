@@ -1,20 +1,28 @@
 """The trainer recipe: scored trajectories in, published model versions out, continuously.
 
-``train(settings, stop)`` reads top to bottom: setup -> loop (consume -> buffer -> step) ->
-publish every ``trainer.steps_per_version`` steps -> cleanup.
+``train(settings, stop)`` reads top to bottom: setup (resume from the newest checkpoint) ->
+loop (consume -> buffer -> step) -> every ``trainer.steps_per_version`` steps: checkpoint ->
+publish -> commit offsets -> cleanup.
 
-- Training continues from the newest published version of the model line, whatever its status
-  (the registry is the checkpoint); an empty registry is seeded with the base model as a full
-  version. Master weights are fp32; versions are the bf16 export (``tinymodel.export_state``),
-  published as a delta against the previous version when that is smaller.
+- Durability (``trainer.checkpoint``, whose docstring walks through every crash window): the
+  checkpoint written before each publish holds the fp32 master, Adam moments, LR schedule, step,
+  buffer, de-dup memories and offsets, and a token that the version published from it carries.
+  A restart restores it exactly, adopts the version carrying its token (or publishes it if the
+  crash came first) and skips redelivered records whose fate it already holds: after ``kill -9``
+  no sample is lost or trained into two versions and no version number is reused. Each version's
+  metrics list the ``trajectory_ids`` trained into it.
+- Without a checkpoint, training starts from the newest published version of the model line,
+  whatever its status; an empty registry is seeded with the base model as a full version (by the
+  node or ``flywheel up``). Master weights are fp32; versions are the bf16 export
+  (``tinymodel.export_state``), published as a delta against the previous version when that is
+  smaller.
 - Off-policy data is explicit: every sample carries its behaviour versions, the buffer drops (and
   counts) samples more than ``trainer.max_staleness`` versions old, and the loss corrects for the
   rest with a clipped, truncated importance ratio against the served logprobs (``trainer.loss``).
 - Baselines are group-relative per ``prompt_key`` when a batch holds two or more samples of one
   prompt, else the batch mean (``trainer.loss.group_baselines``).
-- Offsets are committed only when a version is published, so the samples trained since the last
-  version are consumed again after a crash and re-trained on top of that version. The optimizer
-  state is not persisted (Adam moments restart at zero after a restart).
+- Offsets are committed only when a version is published (after its checkpoint), and only the
+  prefix of records that are done, so a crash never skips a buffered sample.
 - Parity (reported with each version): mean ``|logp_train - logp_served|`` over trainable tokens of
   samples served by the version being trained, measured on the first step after that version was
   loaded or published, where the fp32 master still equals it (up to bf16 rounding, itself part of
@@ -27,6 +35,7 @@ publish every ``trainer.steps_per_version`` steps -> cleanup.
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 from pathlib import Path
 from statistics import fmean
@@ -40,8 +49,10 @@ from flywheel.events import ScoredTrajectory
 from flywheel.settings import Settings, TrainerSettings
 from flywheel.tinymodel.build import ensure_default_model
 from flywheel.tinymodel.sampling import export_state, load_model, load_state
-from flywheel.weights.registry import Registry
+from flywheel.weights.codec import state_sha256
+from flywheel.weights.registry import Registry, State, VersionInfo
 from flywheel.weights.store import make_store
+from trainer import checkpoint
 from trainer.buffer import OffsetTracker, SampleBuffer, behaviour_version, collate
 from trainer.loss import group_baselines, policy_loss
 
@@ -63,28 +74,46 @@ def train(settings: Settings, stop: threading.Event | None = None) -> None:
     registry = Registry(make_session_factory(engine), make_store(settings), settings.model.line, full_every=cfg.full_every)
     torch.manual_seed(cfg.seed)
     model_path = Path(settings.model.path) if settings.model.path else ensure_default_model(settings.data_path / "models")
-    model, _tokenizer = load_model(model_path)
+    model, _tokenizer = load_model(model_path)  # fp32 master; eval: no dropout, the function the engine served
     vocab_size = model.get_input_embeddings().num_embeddings
-    latest = registry.latest()
-    while latest is None:  # the node (or `flywheel up`) registers the base model as version 0
-        log.info("waiting for a first version of %s in the registry", settings.model.line)
-        if stop.wait(2.0):
-            return
+    ckpt_dir = checkpoint.checkpoint_dir(settings)
+    resumed = checkpoint.load_latest(ckpt_dir, settings.model.line)
+    if resumed is None:
         latest = registry.latest()
-    published = registry.load(latest.version)  # the bf16 weights of the version being trained
-    load_state(model, published)
-    model.float().eval()  # fp32 master; eval: no dropout, the same function the engine served
+        while latest is None:  # the node (or `flywheel up`) registers the base model as version 0
+            log.info("waiting for a first version of %s in the registry", settings.model.line)
+            if stop.wait(2.0):
+                engine.dispose()
+                return
+            latest = registry.latest()
+        current, step = latest.version, latest.train_step or 0
+        published = registry.load(current)  # the bf16 weights of the version being trained
+        load_state(model, published)
+    else:
+        load_state(model, resumed.model)
+        step = resumed.step
     for p in model.parameters():
         p.requires_grad_(True)
-    current = latest.version
-    step = latest.train_step or 0
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     # Adam's first steps move every weight by a full lr (its moment estimates are fresh), which
     # would flip most bf16 elements at once; a linear warm-up keeps the first deltas small too.
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: min(1.0, (i + 1) / cfg.warmup_steps))
     buffer = SampleBuffer(cfg.max_staleness)
     offsets = OffsetTracker()
+    if resumed is not None:
+        optimizer.load_state_dict(resumed.optimizer)
+        scheduler.load_state_dict(resumed.scheduler)
+        buffer.load_state_dict(resumed.buffer)
+        offsets.load_state_dict(resumed.offsets)
+        info = checkpoint.find_published(registry, resumed)
+        if info is None:  # the crash came between checkpoint and publish: publish it now
+            info = publish(registry, model, resumed, registry.load(resumed.parent))
+        elif info.sha256 != state_sha256(export_state(model)):
+            raise checkpoint.CheckpointError(f"v{info.version} carries the checkpoint's token but not its weights")
+        current, published = info.version, export_state(model)
+        log.info("resumed from checkpoint at step %d as v%d (%d samples buffered)", step, current, len(buffer))
     window: list[dict[str, float]] = []  # per-step metrics since the last published version
+    trained_ids: list[str] = []  # trajectories trained since the last published version
 
     bus = make_bus(settings)
     topic = settings.topic("scored")
@@ -96,7 +125,8 @@ def train(settings: Settings, stop: threading.Event | None = None) -> None:
     try:
         while not stop.is_set():
             for record in consumer.poll(timeout_s=POLL_TIMEOUT_S, max_records=MAX_RECORDS):
-                offsets.track(record)
+                if not offsets.track(record):
+                    continue  # redelivered after a restart; the checkpoint holds its fate
                 try:
                     sample = ScoredTrajectory.from_bytes(record.value)
                 except ValueError as exc:
@@ -117,23 +147,23 @@ def train(settings: Settings, stop: threading.Event | None = None) -> None:
                 window.append(train_step(model, optimizer, samples, current, cfg, measure_parity=not window))
                 scheduler.step()
                 step += 1
+                trained_ids += [s.trajectory_id for s in samples]
                 for entry in batch:
                     offsets.done(entry.record)
                 if step % cfg.steps_per_version:
                     continue
-                # --- publish -------------------------------------------------------------------
-                state = export_state(model)
-                info = registry.publish(
-                    state, parent=current, parent_state=published, train_step=step,
-                    metrics=summarise(window, buffer.counters()),
-                )
-                log.info(
-                    "published v%d (%s, %d bytes, %.1f%% of full) at step %d: %s",
-                    info.version, info.kind, info.bytes, 100.0 * info.bytes / max(info.full_bytes, 1), step,
-                    {k: round(v, 4) for k, v in info.metrics.items() if isinstance(v, float)},
-                )
-                current, published, window = info.version, state, []
+                # --- checkpoint -> publish -> commit (crash windows: trainer.checkpoint) ---------
                 done = offsets.committable()
+                ckpt = checkpoint.Checkpoint(
+                    model_line=settings.model.line, step=step, parent=current,
+                    parent_sha256=registry.get(current).sha256, publish_token=secrets.token_hex(16),
+                    metrics={**summarise(window, buffer.counters()), "trajectory_ids": trained_ids},
+                    model=master_state(model), optimizer=optimizer.state_dict(), scheduler=scheduler.state_dict(),
+                    buffer=buffer.state_dict(), offsets=offsets.state_dict(),
+                )
+                checkpoint.save(ckpt_dir, ckpt, keep=cfg.keep_checkpoints)
+                info = publish(registry, model, ckpt, published)
+                current, published, window, trained_ids = info.version, export_state(model), [], []
                 if done:
                     consumer.commit(done)
                 for entry in buffer.purge_stale(current):
@@ -144,6 +174,25 @@ def train(settings: Settings, stop: threading.Event | None = None) -> None:
         consumer.close()
         bus.close()
         engine.dispose()
+
+
+def master_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """fp32 CPU copies of the model's parameters (tied weights once), for the checkpoint."""
+    return {name: p.detach().to("cpu", copy=True) for name, p in model.named_parameters()}
+
+
+def publish(registry: Registry, model: torch.nn.Module, ckpt: checkpoint.Checkpoint, parent_state: State) -> VersionInfo:
+    """Publish the model's bf16 export as the version made from ``ckpt`` (its metrics carry the token)."""
+    info = registry.publish(
+        export_state(model), parent=ckpt.parent, parent_state=parent_state, train_step=ckpt.step,
+        metrics={**ckpt.metrics, "publish_token": ckpt.publish_token},
+    )
+    log.info(
+        "published v%d (%s, %d bytes, %.1f%% of full) at step %d: %s",
+        info.version, info.kind, info.bytes, 100.0 * info.bytes / max(info.full_bytes, 1), ckpt.step,
+        {k: round(v, 4) for k, v in info.metrics.items() if isinstance(v, float)},
+    )
+    return info
 
 
 def untrainable(sample: ScoredTrajectory, model_line: str, vocab_size: int) -> str | None:

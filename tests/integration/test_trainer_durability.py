@@ -1,0 +1,252 @@
+"""kill -9 the trainer at a random moment and restart it: nothing lost, nothing trained twice, no
+version number reused.
+
+The trainer runs as a real process (``python -m flywheel.cli --config settings.json trainer``) on a
+local-log bus and SQLite under ``tmp_path``, with the quick tiny model. The scored trajectories are
+real: token ids and logprobs sampled from that model, sent as ScoredTrajectory events, among them
+redelivered duplicates, late revisions and one undecodable record. The random kill lands in any
+crash window (trainer/checkpoint.py); the two windows around the registry insert are also hit on
+purpose, in process, by a publish that dies just before or just after its row is written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from flywheel.bus import make_bus
+from flywheel.db.session import make_engine, make_session_factory, upgrade
+from flywheel.events import ScoredTrajectory, Segment, Turn, new_id
+from flywheel.settings import Settings, load_settings
+from flywheel.weights.registry import Registry
+from flywheel.weights.store import make_store
+
+pytestmark = pytest.mark.integration
+
+BATCH = 4
+N_TRAJECTORIES = 64  # 16 versions of one 4-sample step each
+REPO = Path(__file__).resolve().parents[2]
+
+
+def scored_trajectories(model_dir: Path, n: int, seed: int) -> list[ScoredTrajectory]:
+    """``n`` single-turn trajectories served by version 0 of the quick model, rewarded at random."""
+    from flywheel.tinymodel.sampling import chat_prompt_ids, generate, load_model
+    from flywheel.tinymodel.task import traffic_problem, user_message
+
+    model, tok = load_model(model_dir)
+    rng = random.Random(seed)
+    problems = [traffic_problem(rng) for _ in range(n // 2)]
+    prompts = [chat_prompt_ids(tok, [{"role": "user", "content": user_message(p)}]) for p in problems for _ in (0, 1)]
+    out = []
+    for i, (prompt, sample) in enumerate(zip(prompts, generate(model, prompts, max_new_tokens=6, seed=seed,
+                                                               eos_token_id=tok.eos_token_id), strict=True)):
+        tokens = prompt + sample.token_ids
+        segment = Segment(
+            tokens=tokens, mask=[0] * len(prompt) + [1] * len(sample.token_ids),
+            logprobs=[0.0] * len(prompt) + sample.logprobs,
+            turns=[Turn(generation_id=new_id(), start=len(prompt), end=len(tokens), behaviour_version=0)],
+        )
+        reward = rng.choice([-1.0, 1.0])
+        out.append(ScoredTrajectory(
+            tenant="acme", session_id=f"s-{i}", trajectory_id=f"traj-{i:03d}-{new_id()[:6]}", model_line="tiny-sim",
+            segments=[segment], turn_rewards=[reward], total_reward=reward, reward_spec_version="test",
+            prompt_key=f"p-{i // 2}",
+        ))
+    return out
+
+
+@pytest.fixture(scope="module")
+def samples(tiny_model_dir: Path) -> list[ScoredTrajectory]:
+    return scored_trajectories(tiny_model_dir, N_TRAJECTORIES, seed=random.randrange(2**31))
+
+
+def make_settings(tmp_path: Path, db_url: str, model_dir: Path) -> Settings:
+    return load_settings(
+        None,
+        data_dir=str(tmp_path / "data"),
+        db={"url": db_url, "wait_s": 10},
+        model={"path": str(model_dir)},
+        bus={"partitions": 2},
+        trainer={"batch_size": BATCH, "steps_per_version": 1, "lr": 1e-3, "max_staleness": 1000},
+    )
+
+
+def registry_for(settings: Settings) -> Registry:
+    """The line's registry, with the base model registered as stable v0 (what the node does at start)."""
+    from flywheel.tinymodel.sampling import export_state, load_model
+
+    upgrade(settings.database_url)
+    registry = Registry(make_session_factory(make_engine(settings.database_url)), make_store(settings),
+                        settings.model.line)
+    registry.ensure_base(export_state(load_model(settings.model.path)[0]), reason="test: base model")
+    return registry
+
+
+def assert_one_chain_each_trajectory_once(registry: Registry, samples: list[ScoredTrajectory], context: Any) -> None:
+    """Versions 0..N, contiguous, each trained from the previous; every trajectory in exactly one version."""
+    versions = registry.versions()
+    assert [v.version for v in versions] == list(range(1 + len(samples) // BATCH)), context
+    assert all(v.parent == v.version - 1 and v.train_step == v.version for v in versions[1:]), context
+    assert Counter(trained_ids(registry)) == Counter({s.trajectory_id: 1 for s in samples}), context
+
+
+def send(settings: Settings, values: list[bytes]) -> None:
+    bus = make_bus(settings)
+    producer = bus.producer()
+    for value in values:
+        producer.send(settings.topic("scored"), new_id(), value)
+    producer.close()
+    bus.close()
+
+
+def start_trainer(config: Path, log_path: Path) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    with open(log_path, "ab") as out:
+        return subprocess.Popen([sys.executable, "-m", "flywheel.cli", "--config", str(config), "trainer"],
+                                cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=env)
+
+
+def wait_for(what: str, check: Callable[[], bool], proc: subprocess.Popen[bytes], log_path: Path,
+             timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            tail = log_path.read_text()[-4000:]
+            raise AssertionError(f"waiting for {what}: trainer exited {proc.returncode} or timed out; log:\n{tail}")
+        time.sleep(0.05)
+
+
+def trained_ids(registry: Registry) -> list[str]:
+    return [tid for v in registry.versions() for tid in v.metrics.get("trajectory_ids", [])]
+
+
+def test_kill_9_at_a_random_moment_then_restart_loses_and_repeats_nothing(
+    tmp_path: Path, sqlite_url: str, tiny_model_dir: Path, samples: list[ScoredTrajectory]
+) -> None:
+    seed = random.randrange(2**31)
+    rng = random.Random(seed)
+    settings = make_settings(tmp_path, sqlite_url, tiny_model_dir)
+    config = tmp_path / "settings.json"
+    config.write_text(json.dumps(settings.model_dump(mode="json")))
+    registry = registry_for(settings)
+
+    duplicates = [s.to_bytes() for s in rng.sample(samples, 6)]  # the same event delivered again
+    revisions = [s.model_copy(update={"event_id": new_id(), "revision": 1}).to_bytes() for s in rng.sample(samples, 4)]
+    first, second = samples[:40], samples[40:]
+    send(settings, [b"{ not json"] + [s.to_bytes() for s in first] + duplicates[:3] + revisions[:2])
+
+    log_path = tmp_path / "trainer.log"
+    proc = start_trainer(config, log_path)
+    kill_after = rng.randint(2, 7)
+    latest = lambda: (registry.latest() or registry.get(0)).version  # noqa: E731
+    wait_for(f"v{kill_after}", lambda: latest() >= kill_after, proc, log_path, timeout_s=60)
+    time.sleep(rng.uniform(0.0, 0.6))  # anywhere in a step, a checkpoint write, a publish or a commit
+    proc.send_signal(signal.SIGKILL)
+    assert proc.wait(10) == -signal.SIGKILL
+    context = {"seed": seed, "killed_at": latest()}
+
+    send(settings, [s.to_bytes() for s in second] + duplicates[3:] + revisions[2:])
+    proc = start_trainer(config, log_path)
+    try:
+        wait_for("every trajectory trained", lambda: len(trained_ids(registry)) >= N_TRAJECTORIES, proc, log_path,
+                 timeout_s=75)
+        time.sleep(1.0)  # long enough for a wrongly repeated version to show up
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(30)
+    log = log_path.read_text()
+    assert code == 0, log[-4000:]
+    assert "resumed from checkpoint" in log, log[-4000:]
+
+    # No version number reused or skipped, one linear chain; every trajectory trained exactly once.
+    assert_one_chain_each_trajectory_once(registry, samples, context)
+    # Nothing lost: every decodable event fed was taken or dropped with a reason, counted once.
+    metrics = registry.versions()[-1].metrics
+    dropped = {k: v for k, v in metrics.items() if k.startswith("dropped_")}
+    assert metrics["taken"] == N_TRAJECTORIES and metrics["buffered"] == 0, context
+    assert dropped.get("dropped_duplicate") == len(duplicates), context
+    assert dropped.get("dropped_superseded", 0) + dropped.get("dropped_already_trained", 0) == len(revisions), context
+    assert metrics["taken"] + sum(dropped.values()) == N_TRAJECTORIES + len(duplicates) + len(revisions), context
+    assert read_dlq(settings) == [b"{ not json"]
+
+
+class Crash(Exception):
+    """Stands for the process dying at the injection point."""
+
+
+@pytest.mark.parametrize("window", ["before_row", "after_row"])
+def test_a_crash_on_either_side_of_the_registry_insert_publishes_the_checkpoint_once(
+    tmp_path: Path, sqlite_url: str, tiny_model_dir: Path, samples: list[ScoredTrajectory],
+    monkeypatch: pytest.MonkeyPatch, window: str,
+) -> None:
+    from trainer.train import train
+
+    settings = make_settings(tmp_path, sqlite_url, tiny_model_dir)
+    registry = registry_for(settings)
+    part = samples[:24]
+    send(settings, [s.to_bytes() for s in part])
+
+    real_publish = Registry.publish
+    publishes: list[int] = []
+
+    def dies_at_the_third(self: Registry, state: Any, **kw: Any) -> Any:
+        publishes.append(1)
+        if len(publishes) != 3:
+            return real_publish(self, state, **kw)
+        if window == "after_row":
+            real_publish(self, state, **kw)  # the row is in; the process dies before the commit
+        raise Crash(window)
+
+    monkeypatch.setattr(Registry, "publish", dies_at_the_third)
+    give_up = threading.Event()
+    timer = threading.Timer(60, give_up.set)  # without the crash, train() would wait for data forever
+    timer.start()
+    with pytest.raises(Crash):
+        train(settings, give_up)  # ends by the crash at the third publish (every sample is there)
+    timer.cancel()
+    assert registry.latest().version == (3 if window == "after_row" else 2)  # type: ignore[union-attr]
+
+    stop, errors = threading.Event(), []
+    thread = threading.Thread(target=lambda: run_or_record(train, settings, stop, errors), daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while len(trained_ids(registry)) < len(part) and time.monotonic() < deadline and thread.is_alive():
+        time.sleep(0.1)
+    time.sleep(0.5)
+    stop.set()
+    thread.join(30)
+    assert not errors and not thread.is_alive()
+    assert len(publishes) == 1 + len(part) // BATCH - (window == "after_row")  # adopted, not published again
+    assert_one_chain_each_trajectory_once(registry, part, window)
+
+
+def run_or_record(role: Callable[..., None], settings: Settings, stop: threading.Event, errors: list[BaseException]) -> None:
+    try:
+        role(settings, stop)
+    except BaseException as exc:  # reported in the test thread
+        errors.append(exc)
+
+
+def read_dlq(settings: Settings) -> list[bytes]:
+    bus = make_bus(settings)
+    consumer = bus.consumer("t-dlq", [settings.topic("scored") + ".dlq"])
+    out: list[bytes] = []
+    try:
+        for _ in range(5):
+            out += [r.value for r in consumer.poll(timeout_s=0.2, max_records=100)]
+    finally:
+        consumer.close()
+        bus.close()
+    return out
