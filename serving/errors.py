@@ -1,7 +1,9 @@
 """The OpenAI error envelope and the one mapping from exceptions to HTTP responses.
 
 Every error either serving app returns has the body
-``{"error": {"message": str, "type": str, "param": str | None, "code": str | None}}``.
+``{"error": {"message": str, "type": str, "param": str | None, "code": str | None}}``; inside a
+Server-Sent Events stream (once headers and a 200 are gone) the same envelope is one event,
+``data: {"error": {...}}`` (:meth:`APIError.sse`), and the stream ends without ``[DONE]``.
 
 Invariants:
 - Bad input is a 4xx with a message a person can act on and ``param`` naming the offending field
@@ -12,6 +14,7 @@ Invariants:
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any, Iterable
 
@@ -75,6 +78,10 @@ class APIError(Exception):
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+    def sse(self) -> bytes:
+        """The envelope as one Server-Sent Event, for errors after a stream has started."""
+        return b"data: " + json.dumps(self.body(), separators=(",", ":")).encode("utf-8") + b"\n\n"
 
 
 def error_body(message: str, *, type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:

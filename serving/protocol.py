@@ -6,13 +6,18 @@ Invariants:
 - Unknown top-level fields are kept (``extra="allow"``) so the gateway forwards vendor extensions
   to an upstream such as vLLM untouched; unknown fields inside a message are kept as well.
 - ``messages`` is never empty and every role is one the chat template knows.
+- ``stream_options`` only comes with ``stream: true``; one choice per request (``n = 1``).
+
+Server-Sent Events, as both apps write and the gateway reads them: each event is one
+``data: <JSON>`` line and a blank line; a stream ends with ``data: [DONE]``; an error inside a
+stream is ``data: {"error": {...}}`` (the envelope of :mod:`serving.errors`) and no ``[DONE]``.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from typing import Any, Literal
+from typing import Any, AsyncIterator, Literal
 
 from fastapi import Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -55,32 +60,73 @@ class ChatMessage(BaseModel):
         return "".join(part.text for part in self.content)
 
 
-class ChatCompletionRequest(BaseModel):
-    """The subset of OpenAI's chat completion request flywheel understands, plus vLLM's
-    ``return_token_ids``."""
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    include_usage: bool | None = False
+
+
+class _SamplingFields(BaseModel):
+    """Options chat and text completions share."""
 
     model_config = ConfigDict(extra="allow", strict=True)
 
     model: str | None = Field(None, min_length=1, max_length=256)
-    messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
-    logprobs: bool | None = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
     n: int | None = Field(1, ge=1, le=128)
     stop: str | list[str] | None = None
     stream: bool | None = False
+    stream_options: StreamOptions | None = None
     user: str | None = None
     return_token_ids: bool | None = False
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """The subset of OpenAI's chat completion request flywheel understands, plus vLLM's
+    ``return_token_ids``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return bool(self.logprobs)
 
     def max_new_tokens(self, default: int) -> int:
         return self.max_completion_tokens or self.max_tokens or default
 
     def plain_messages(self) -> list[dict[str, str]]:
         return [{"role": m.role, "content": m.text()} for m in self.messages]
+
+
+class CompletionRequest(_SamplingFields):
+    """A legacy text completion (``/v1/completions``): one prompt, as text or as token ids.
+
+    ``logprobs`` is the legacy integer (how many alternatives per token; 0 = only the sampled
+    token's logprob); ``echo``, ``suffix`` and ``best_of`` are accepted by the schema so that a
+    request using them gets a clear 400 rather than a silent difference.
+    """
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool | None = False
+    suffix: str | None = None
+    best_of: int | None = Field(None, ge=1)
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.logprobs is not None
+
+    def max_new_tokens(self, default: int) -> int:
+        return self.max_tokens or default
 
 
 class FeedbackItem(BaseModel):
@@ -112,11 +158,70 @@ def parse_chat_request(body: Any) -> ChatCompletionRequest:
         chat = ChatCompletionRequest.model_validate(body)
     except ValidationError as exc:
         raise from_pydantic(exc) from None
-    if chat.stream:
-        raise APIError(400, "streaming is not supported yet; send stream=false", param="stream")
-    if chat.n not in (None, 1):
-        raise APIError(400, "only n=1 is supported", param="n")
+    _check_common(chat)
     return chat
+
+
+def parse_completion_request(body: Any) -> CompletionRequest:
+    """Validate a parsed JSON body as a text completion this server supports, or raise a 400."""
+    if not isinstance(body, dict):
+        raise APIError(400, "request body must be a JSON object", code="invalid_json")
+    try:
+        req = CompletionRequest.model_validate(body)
+    except ValidationError as exc:
+        raise from_pydantic(exc) from None
+    _check_common(req)
+    prompt = req.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) != 1:
+            raise APIError(400, "only one prompt per request is supported; send a string or one list of token ids",
+                           param="prompt")
+        req.prompt = prompt = prompt[0]
+    if not prompt:
+        raise APIError(400, "prompt is empty; send some text or token ids", param="prompt")
+    if req.echo:
+        raise APIError(400, "echo is not supported; send echo=false", param="echo")
+    if req.suffix:
+        raise APIError(400, "suffix is not supported", param="suffix")
+    if req.best_of not in (None, 1):
+        raise APIError(400, "only best_of=1 is supported", param="best_of")
+    return req
+
+
+def _check_common(req: _SamplingFields) -> None:
+    if req.n not in (None, 1):
+        raise APIError(400, "only n=1 is supported", param="n")
+    if req.stream_options is not None and not req.stream:
+        raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
+
+
+# Server-Sent Events --------------------------------------------------------------------------
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def sse_event(data: dict[str, Any]) -> bytes:
+    """One SSE event carrying ``data`` as compact JSON."""
+    return b"data: " + json.dumps(data, separators=(",", ":"), ensure_ascii=False).encode("utf-8") + b"\n\n"
+
+
+async def sse_data(lines: AsyncIterator[str]) -> AsyncIterator[str]:
+    """The ``data`` of each event in a stream of SSE lines (multi-line data joined by newlines;
+    comments, ``event:``, ``id:`` and ``retry:`` fields ignored)."""
+    buffer: list[str] = []
+    async for line in lines:
+        if line == "":
+            if buffer:
+                yield "\n".join(buffer)
+                buffer = []
+            continue
+        if line.startswith(":"):
+            continue
+        field, _, value = line.partition(":")
+        if field == "data":
+            buffer.append(value[1:] if value.startswith(" ") else value)
+    if buffer:
+        yield "\n".join(buffer)
 
 
 async def read_json_body(request: Request, limit: int) -> Any:

@@ -5,6 +5,14 @@
 Invariants:
 - A generation is on the bus (durably) before its response is returned; if it cannot be recorded
   the client gets a 503 and may retry: capture never loses an event it acknowledged.
+- A stream (``stream: true``, chat or text) is proxied chunk by chunk as the upstream sends it and
+  recorded as exactly one event, once the upstream's last chunk has arrived and before the client
+  gets ``data: [DONE]``; ``[DONE]`` is the acknowledgement. A stream that breaks off (upstream
+  error event, dropped connection, missing ``[DONE]``, uncapturable chunk, bus refusal) ends with
+  an OpenAI error envelope as its last event, no ``[DONE]``, and nothing recorded. Errors found
+  before the first byte (bad input, upstream 4xx, unreachable upstream) are ordinary HTTP errors.
+- Streams send ``X-Flywheel-Session``, ``X-Flywheel-Generation`` and ``X-Flywheel-Model-Version``
+  with their headers: the version comes from the upstream's response header, or its first chunk.
 - Rejected requests (too large, malformed JSON, invalid fields) never reach the upstream or the
   bus; they get a 4xx OpenAI envelope naming the offending field.
 - Feedback event ids derive from the tenant and the client's ``feedback_id``: a retried
@@ -12,21 +20,23 @@ Invariants:
 - Every response carries ``X-Flywheel-Session`` (the client's or a generated one).
 
 Seams for later issues: :meth:`Gateway.tenant` (auth), :meth:`Gateway.route` (sticky sessions and
-canaries pick the upstream per session), streaming (rejected with a 400 for now).
+canaries pick the upstream per session).
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import time
 import uuid
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from pydantic import ValidationError
 
@@ -38,11 +48,15 @@ from serving.protocol import (
     GENERATION_HEADER,
     MODEL_VERSION_HEADER,
     SESSION_HEADER,
+    SSE_DONE,
     FeedbackBatch,
     FeedbackItem,
     check_session_id,
     parse_chat_request,
+    parse_completion_request,
     read_json_body,
+    sse_data,
+    sse_event,
 )
 
 log = logging.getLogger(__name__)
@@ -62,9 +76,31 @@ class _Metrics:
             "flywheel_capture_failures", "Events the bus refused (answered 503)", registry=self.registry
         )
         self.upstream_latency = Histogram(
-            "flywheel_upstream_latency_seconds", "Upstream chat completion latency", registry=self.registry
+            "flywheel_upstream_latency_seconds", "Upstream completion latency (whole stream for streams)",
+            registry=self.registry,
+        )
+        self.stream_errors = Counter(
+            "flywheel_stream_errors", "Streams that ended with an error event (nothing recorded)", registry=self.registry
         )
 
+
+@dataclass
+class _Call:
+    """One completion request on its way through the gateway."""
+
+    kind: capture.Kind
+    body: dict[str, Any]  # the client's, recorded untouched
+    request: capture.Request
+    tenant: str
+    session_id: str
+    generation_id: str
+    url: str
+    upstream_body: dict[str, Any]
+    headers: dict[str, str] = field(default_factory=dict)  # for the client
+
+
+class _UpstreamStreamError(Exception):
+    """The upstream sent an error event inside its stream."""
 
 class Gateway:
     """The serving class behind the routes; built once at start-up."""
@@ -111,58 +147,172 @@ class Gateway:
 
     # Endpoints ---------------------------------------------------------------------------------
 
-    async def chat_completions(self, request: Request) -> JSONResponse:
+    async def chat_completions(self, request: Request) -> Response:
         body = await self.read_json(request)
-        chat = parse_chat_request(body)
+        return await self.complete(request, body, parse_chat_request(body), "chat", "/v1/chat/completions")
 
+    async def completions(self, request: Request) -> Response:
+        body = await self.read_json(request)
+        return await self.complete(request, body, parse_completion_request(body), "text", "/v1/completions")
+
+    async def complete(
+        self, request: Request, body: dict[str, Any], parsed: capture.Request, kind: capture.Kind, path: str
+    ) -> Response:
         session_id = self.session_id(request)
-        tenant = self.tenant(request)
-        generation_id = new_id()
-        upstream_body = capture.upstream_request(body, self.settings.model.line)
-        url = f"{self.route(session_id)}/v1/chat/completions"
+        call = _Call(
+            kind=kind,
+            body=body,
+            request=parsed,
+            tenant=self.tenant(request),
+            session_id=session_id,
+            generation_id=new_id(),
+            url=f"{self.route(session_id)}{path}",
+            upstream_body=capture.upstream_request(body, self.settings.model.line, kind),
+            headers={SESSION_HEADER: session_id},
+        )
+        if parsed.stream:
+            return await self.stream(call)
 
         start = time.perf_counter()
         try:
             upstream = await self.http.post(
-                url,
-                json=upstream_body,
+                call.url,
+                json=call.upstream_body,
                 headers={SESSION_HEADER: session_id},
                 timeout=self.settings.gateway.upstream_timeout_s,
             )
         except httpx.HTTPError as exc:
-            raise APIError(502, f"upstream {url} failed: {type(exc).__name__}: {exc}", code="upstream_unreachable") from exc
+            raise _unreachable(call.url, exc) from exc
         latency_ms = (time.perf_counter() - start) * 1000.0
         self.metrics.upstream_latency.observe(latency_ms / 1000.0)
 
-        headers = {SESSION_HEADER: session_id}
         if upstream.status_code >= 400:
-            raise _upstream_error(upstream, headers)
+            raise _upstream_error(upstream, call.headers)
         try:
             response_body = upstream.json()
             if not isinstance(response_body, dict):
                 raise ValueError("not a JSON object")
-            served = capture.extract_served(response_body, upstream.headers)
+            served = capture.extract_served(response_body, upstream.headers, kind)
         except (ValueError, capture.CaptureError) as exc:
-            raise APIError(502, f"upstream response cannot be captured: {exc}", code="bad_upstream_response", headers=headers) from None
+            raise _uncapturable(exc, call.headers) from None
 
+        await self.record([self.event(call, response_body, served, latency_ms)])
+        self.metrics.generations.inc()
+        headers = {**call.headers, GENERATION_HEADER: call.generation_id, MODEL_VERSION_HEADER: str(served.model_version)}
+        return JSONResponse(capture.client_response(response_body, parsed), headers=headers)
+
+    def event(self, call: _Call, response_body: dict[str, Any], served: capture.Served, latency_ms: float) -> Any:
         try:
-            event = capture.generation_event(
-                generation_id=generation_id,
-                tenant=tenant,
-                session_id=session_id,
+            return capture.generation_event(
+                generation_id=call.generation_id,
+                tenant=call.tenant,
+                session_id=call.session_id,
                 model_line=self.settings.model.line,
-                request_body=body,
-                request=chat,
+                request_body=call.body,
+                request=call.request,
                 response_body=response_body,
                 served=served,
                 latency_ms=latency_ms,
             )
         except ValidationError as exc:  # e.g. non-finite logprobs: never a partial or lossy event
-            raise APIError(502, f"upstream response cannot be captured: {exc}", code="bad_upstream_response", headers=headers) from None
-        await self.record([event])
-        self.metrics.generations.inc()
-        headers.update({GENERATION_HEADER: generation_id, MODEL_VERSION_HEADER: str(served.model_version)})
-        return JSONResponse(capture.client_response(response_body, chat), headers=headers)
+            raise _uncapturable(exc, call.headers) from None
+
+    async def stream(self, call: _Call) -> Response:
+        """Proxy an upstream event stream; see the module docstring for what is recorded when."""
+        start = time.perf_counter()
+        upstream_request = self.http.build_request(
+            "POST",
+            call.url,
+            json=call.upstream_body,
+            headers={SESSION_HEADER: call.session_id},
+            timeout=self.settings.gateway.upstream_timeout_s,
+        )
+        try:
+            upstream = await self.http.send(upstream_request, stream=True)
+        except httpx.HTTPError as exc:
+            raise _unreachable(call.url, exc) from exc
+
+        assembler = capture.StreamAssembler(call.kind, upstream.headers)
+
+        def relay(data: str) -> bytes | None:
+            """Fold one upstream event into the capture; what the client gets of it."""
+            try:
+                chunk = json.loads(data)
+            except ValueError:
+                raise capture.CaptureError(f"upstream stream event is not JSON: {data[:200]!r}") from None
+            if isinstance(chunk, dict) and chunk.get("error") is not None:
+                raise _UpstreamStreamError(chunk["error"])
+            assembler.feed(chunk)
+            out = capture.client_chunk(chunk, call.request)
+            return None if out is None else sse_event(out)
+
+        events = sse_data(upstream.aiter_lines())
+        first: bytes | None = None
+        try:
+            if upstream.status_code >= 400:
+                await upstream.aread()
+                raise _upstream_error(upstream, call.headers)
+            content_type = upstream.headers.get("content-type", "")
+            if not content_type.startswith("text/event-stream"):
+                raise APIError(502, f"upstream answered a stream request with content-type {content_type!r}, "
+                               "not text/event-stream", code="bad_upstream_response", headers=call.headers)
+            if assembler.version is None:  # no version header: the first chunk must name it
+                data = await anext(events, "[DONE]")
+                if data.strip() == "[DONE]":
+                    raise APIError(502, "upstream stream ended before its first chunk", code="upstream_error",
+                                   headers=call.headers)
+                first = relay(data)
+                if assembler.version is None:
+                    raise capture.CaptureError(
+                        f"upstream names no model version (header {MODEL_VERSION_HEADER} or field model_version)")
+        except capture.CaptureError as exc:
+            await upstream.aclose()
+            raise _uncapturable(exc, call.headers) from None
+        except _UpstreamStreamError as exc:
+            await upstream.aclose()
+            raise _stream_failure(exc, call.headers) from None
+        except httpx.HTTPError as exc:
+            await upstream.aclose()
+            raise APIError(502, f"upstream stream broke off: {type(exc).__name__}: {exc}", code="upstream_error",
+                           headers=call.headers) from exc
+        except BaseException:
+            await upstream.aclose()
+            raise
+
+        async def body() -> AsyncIterator[bytes]:
+            try:
+                if first is not None:
+                    yield first
+                async for data in events:
+                    if data.strip() == "[DONE]":
+                        break
+                    out = relay(data)
+                    if out is not None:
+                        yield out
+                else:
+                    raise APIError(502, "upstream stream ended before data: [DONE]", code="upstream_error")
+                latency_ms = (time.perf_counter() - start) * 1000.0
+                self.metrics.upstream_latency.observe(latency_ms / 1000.0)
+                response_body, served = assembler.finish()
+                await self.record([self.event(call, response_body, served, latency_ms)])
+                self.metrics.generations.inc()
+                yield SSE_DONE
+            except (APIError, capture.CaptureError, _UpstreamStreamError, httpx.HTTPError) as exc:
+                error = _stream_failure(exc, {})
+                self.metrics.stream_errors.inc()
+                log.warning("stream %s for session %s failed, nothing recorded: %s",
+                            call.generation_id, call.session_id, error.message)
+                yield error.sse()
+            finally:
+                await upstream.aclose()
+
+        headers = {
+            **call.headers,
+            GENERATION_HEADER: call.generation_id,
+            MODEL_VERSION_HEADER: str(assembler.version),
+            "Cache-Control": "no-cache",
+        }
+        return StreamingResponse(body(), media_type="text/event-stream", headers=headers)
 
     async def feedback(self, request: Request) -> JSONResponse:
         body = await self.read_json(request)
@@ -198,6 +348,30 @@ class Gateway:
         return JSONResponse(
             {"accepted": len(events), "event_ids": [e.event_id for e in events]}, status_code=202, headers=headers
         )
+
+
+def _unreachable(url: str, exc: httpx.HTTPError) -> APIError:
+    return APIError(502, f"upstream {url} failed: {type(exc).__name__}: {exc}", code="upstream_unreachable")
+
+
+def _uncapturable(exc: Exception, headers: dict[str, str]) -> APIError:
+    return APIError(502, f"upstream response cannot be captured: {exc}", code="bad_upstream_response", headers=headers)
+
+
+def _stream_failure(exc: Exception, headers: dict[str, str]) -> APIError:
+    """The envelope a stream that broke off ends with."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, capture.CaptureError):
+        return _uncapturable(exc, headers)
+    if isinstance(exc, _UpstreamStreamError):
+        err = exc.args[0]
+        message = err.get("message") if isinstance(err, dict) else None
+        code = err.get("code") if isinstance(err, dict) else None
+        return APIError(502, f"upstream failed mid-stream: {message or err!r}",
+                        code=code if isinstance(code, str) else "upstream_error", headers=headers)
+    return APIError(502, f"upstream stream broke off: {type(exc).__name__}: {exc}", code="upstream_error",
+                    headers=headers)
 
 
 def _upstream_error(upstream: httpx.Response, headers: dict[str, str]) -> APIError:
@@ -247,8 +421,12 @@ def create_app(settings: Settings, bus_producer: Any, http_client: httpx.AsyncCl
         return response
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> JSONResponse:
+    async def chat_completions(request: Request) -> Response:
         return await gateway.chat_completions(request)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await gateway.completions(request)
 
     @app.post("/v1/feedback", status_code=202)
     async def feedback(request: Request) -> JSONResponse:
@@ -260,7 +438,7 @@ def create_app(settings: Settings, bus_producer: Any, http_client: httpx.AsyncCl
         try:
             upstream = await gateway.http.get(url, timeout=settings.gateway.upstream_timeout_s)
         except httpx.HTTPError as exc:
-            raise APIError(502, f"upstream {url} failed: {type(exc).__name__}: {exc}", code="upstream_unreachable") from exc
+            raise _unreachable(url, exc) from exc
         if upstream.status_code >= 400:
             raise _upstream_error(upstream, {})
         return JSONResponse(upstream.json())

@@ -6,8 +6,16 @@ Invariants:
   returned them and the version the upstream names; a response without them cannot be captured
   and is an upstream error (:class:`CaptureError`), never a silently partial event.
 - The response the client sees loses only what the gateway itself asked for (logprobs, token ids,
-  prompt token ids) and the client did not.
+  prompt token ids, the usage chunk of a stream) and the client did not.
+- A stream is captured whole or not at all: :class:`StreamAssembler` folds the upstream's chunks
+  into the body a non-streaming call would have returned, and only a stream that reached its end
+  yields a :class:`Served`; the event then has the same shape as a non-streaming one.
 - :meth:`Recorder.send` returns only once the bus has the record durably; it raises otherwise.
+
+Kinds: ``"chat"`` (``/v1/chat/completions``: logprobs in ``choices[0].logprobs.content``,
+``prompt_token_ids`` top-level) and ``"text"`` (``/v1/completions``: logprobs in
+``choices[0].logprobs.token_logprobs``, ``prompt_token_ids`` on the choice, as vLLM puts them);
+either place is accepted for the prompt ids.
 """
 
 from __future__ import annotations
@@ -15,10 +23,19 @@ from __future__ import annotations
 import copy
 import threading
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Literal, Mapping
 
 from flywheel.events import FEEDBACK_SIGNALS, FeedbackEvent, GenerationEvent, SamplingParams, feedback_event_id
-from serving.protocol import MODEL_VERSION_HEADER, NODE_HEADER, ChatCompletionRequest, FeedbackItem
+from serving.protocol import (
+    MODEL_VERSION_HEADER,
+    NODE_HEADER,
+    ChatCompletionRequest,
+    CompletionRequest,
+    FeedbackItem,
+)
+
+Kind = Literal["chat", "text"]
+Request = ChatCompletionRequest | CompletionRequest
 
 
 class CaptureError(Exception):
@@ -44,34 +61,36 @@ def _header(headers: Mapping[str, str], name: str) -> str | None:
     return None
 
 
-def extract_served(body: dict[str, Any], headers: Mapping[str, str]) -> Served:
-    """Pull token ids, logprobs, version and node out of an upstream chat completion."""
+def _model_version(value: Any) -> int:
+    try:
+        version = int(value)
+    except (TypeError, ValueError):
+        raise CaptureError(
+            f"upstream response names no model version (field model_version or header {MODEL_VERSION_HEADER})"
+        ) from None
+    if version < 0:
+        raise CaptureError(f"upstream model version {version} is negative")
+    return version
+
+
+def extract_served(body: dict[str, Any], headers: Mapping[str, str], kind: Kind = "chat") -> Served:
+    """Pull token ids, logprobs, version and node out of an upstream (chat or text) completion."""
     choices = body.get("choices")
     if not isinstance(choices, list) or len(choices) != 1 or not isinstance(choices[0], dict):
         raise CaptureError("upstream response must have exactly one choice")
     choice = choices[0]
 
     version: Any = body.get("model_version")
-    if version is None:
-        version = _header(headers, MODEL_VERSION_HEADER)
-    try:
-        model_version = int(version)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        raise CaptureError(
-            f"upstream response names no model version (field model_version or header {MODEL_VERSION_HEADER})"
-        ) from None
-    if model_version < 0:
-        raise CaptureError(f"upstream model version {model_version} is negative")
+    model_version = _model_version(_header(headers, MODEL_VERSION_HEADER) if version is None else version)
 
     prompt_ids = body.get("prompt_token_ids")
+    if prompt_ids is None:
+        prompt_ids = choice.get("prompt_token_ids")
     completion_ids = choice.get("token_ids")
     if not _is_int_list(prompt_ids) or not _is_int_list(completion_ids):
         raise CaptureError("upstream response lacks prompt_token_ids / choices[0].token_ids (return_token_ids)")
 
-    content = (choice.get("logprobs") or {}).get("content")
-    if not isinstance(content, list) or not all(isinstance(e, dict) and "logprob" in e for e in content):
-        raise CaptureError("upstream response lacks choices[0].logprobs.content")
-    logprobs = [float(e["logprob"]) for e in content]
+    logprobs = _logprobs(choice.get("logprobs"), kind)
     if len(logprobs) != len(completion_ids):
         raise CaptureError(
             f"upstream returned {len(logprobs)} logprobs for {len(completion_ids)} completion tokens"
@@ -86,16 +105,32 @@ def extract_served(body: dict[str, Any], headers: Mapping[str, str]) -> Served:
     )
 
 
+def _logprobs(value: Any, kind: Kind) -> list[float]:
+    if kind == "chat":
+        content = value.get("content") if isinstance(value, dict) else None
+        if not isinstance(content, list) or not all(isinstance(e, dict) and _is_number(e.get("logprob")) for e in content):
+            raise CaptureError("upstream response lacks choices[0].logprobs.content")
+        return [float(e["logprob"]) for e in content]
+    values = value.get("token_logprobs") if isinstance(value, dict) else None
+    if not isinstance(values, list) or not all(_is_number(v) for v in values):
+        raise CaptureError("upstream response lacks choices[0].logprobs.token_logprobs")
+    return [float(v) for v in values]
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def _is_int_list(value: Any) -> bool:
     return isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
 
 
-def sampling_params(request: ChatCompletionRequest) -> SamplingParams:
+def sampling_params(request: Request) -> SamplingParams:
     """The sampling parameters as the engine applied them (OpenAI defaults where the client sent none)."""
     return SamplingParams(
         temperature=1.0 if request.temperature is None else request.temperature,
         top_p=1.0 if request.top_p is None else request.top_p,
-        max_tokens=request.max_completion_tokens or request.max_tokens,
+        max_tokens=getattr(request, "max_completion_tokens", None) or request.max_tokens,
         seed=request.seed,
     )
 
@@ -107,7 +142,7 @@ def generation_event(
     session_id: str,
     model_line: str,
     request_body: dict[str, Any],
-    request: ChatCompletionRequest,
+    request: Request,
     response_body: dict[str, Any],
     served: Served,
     latency_ms: float,
@@ -130,30 +165,187 @@ def generation_event(
     )
 
 
-def upstream_request(body: dict[str, Any], default_model: str) -> dict[str, Any]:
-    """The client's body with everything capture needs forced on."""
+def upstream_request(body: dict[str, Any], default_model: str, kind: Kind = "chat") -> dict[str, Any]:
+    """The client's body with everything capture needs forced on: the sampled tokens' logprobs,
+    prompt and completion token ids, and for a stream the final usage chunk."""
     out = dict(body)
-    out.setdefault("model", default_model)
     if out.get("model") is None:
         out["model"] = default_model
-    out["logprobs"] = True
+    if kind == "chat":
+        out["logprobs"] = True
+    elif not isinstance(out.get("logprobs"), int):
+        out["logprobs"] = 0
     out["return_token_ids"] = True
+    if out.get("stream") is True:
+        options = out.get("stream_options")
+        out["stream_options"] = {**(options if isinstance(options, dict) else {}), "include_usage": True}
     return out
 
 
-def client_response(body: dict[str, Any], request: ChatCompletionRequest) -> dict[str, Any]:
+def _strip_choice(choice: Any, request: Request) -> Any:
+    if not isinstance(choice, dict):
+        return choice
+    choice = dict(choice)
+    if not request.wants_logprobs and "logprobs" in choice:
+        choice["logprobs"] = None
+    if not request.return_token_ids:
+        choice.pop("token_ids", None)
+        choice.pop("prompt_token_ids", None)
+    return choice
+
+
+def client_response(body: dict[str, Any], request: Request) -> dict[str, Any]:
     """The upstream response minus what only capture asked for."""
     out = copy.deepcopy(body)
     if not request.return_token_ids:
         out.pop("prompt_token_ids", None)
-    for choice in out.get("choices") or []:
-        if not isinstance(choice, dict):
-            continue
-        if not request.logprobs:
-            choice["logprobs"] = None
-        if not request.return_token_ids:
-            choice.pop("token_ids", None)
+    if isinstance(out.get("choices"), list):
+        out["choices"] = [_strip_choice(c, request) for c in out["choices"]]
     return out
+
+
+def client_chunk(chunk: dict[str, Any], request: Request) -> dict[str, Any] | None:
+    """One upstream stream chunk as the client should see it, or None when the client did not ask
+    for it at all (the usage chunk the gateway forced on)."""
+    out = dict(chunk)
+    if not request.return_token_ids:
+        out.pop("prompt_token_ids", None)
+    if not request.include_usage and "usage" in out:
+        del out["usage"]
+        if not out.get("choices"):
+            return None
+    if isinstance(out.get("choices"), list):
+        out["choices"] = [_strip_choice(c, request) for c in out["choices"]]
+    return out
+
+
+class StreamAssembler:
+    """Folds an upstream stream's chunks into the body the same call would have returned without
+    ``stream`` (chat: ``message`` with content and merged tool calls; text: ``text``), with the
+    token ids, logprobs, prompt ids, usage and version every chunk contributed.
+
+    :meth:`feed` raises :class:`CaptureError` for a chunk that breaks the contract (not an object,
+    more than one choice, conflicting prompt ids or versions); :meth:`finish` raises it for a stream
+    that cannot be captured (no finish reason, ids and logprobs not aligned, no version).
+    """
+
+    def __init__(self, kind: Kind, headers: Mapping[str, str]) -> None:
+        self.kind = kind
+        self.headers = headers
+        self.meta: dict[str, Any] = {}
+        self.version: int | None = None
+        self.prompt_token_ids: list[int] | None = None
+        self.token_ids: list[int] = []
+        self.logprobs: list[Any] = []  # chat: content entries; text: token logprobs
+        self.tokens: list[Any] = []  # text: the tokens of logprobs.tokens
+        self.text: list[str] = []
+        self.role = "assistant"
+        self.tool_calls: dict[int, dict[str, Any]] = {}
+        self.finish_reason: str | None = None
+        self.usage: Any = None
+        header = _header(headers, MODEL_VERSION_HEADER)
+        if header is not None:
+            self.version = _model_version(header)
+
+    def feed(self, chunk: Any) -> None:
+        if not isinstance(chunk, dict):
+            raise CaptureError("upstream stream event is not a JSON object")
+        for key in ("id", "created", "model"):
+            if key not in self.meta and chunk.get(key) is not None:
+                self.meta[key] = chunk[key]
+        if chunk.get("model_version") is not None:
+            version = _model_version(chunk["model_version"])
+            if self.version is not None and version != self.version:
+                raise CaptureError(f"upstream stream names model versions {self.version} and {version}")
+            self.version = version
+        self._prompt(chunk.get("prompt_token_ids"))
+        if chunk.get("usage") is not None:
+            self.usage = chunk["usage"]
+        choices = chunk.get("choices") or []
+        if not isinstance(choices, list):
+            raise CaptureError("upstream stream chunk has a choices field that is not a list")
+        for choice in choices:
+            if not isinstance(choice, dict) or choice.get("index", 0) != 0:
+                raise CaptureError("upstream stream must have exactly one choice (index 0)")
+            self._choice(choice)
+
+    def _prompt(self, ids: Any) -> None:
+        if ids is None:
+            return
+        if not _is_int_list(ids):
+            raise CaptureError("upstream prompt_token_ids is not a list of token ids")
+        if self.prompt_token_ids is not None and ids != self.prompt_token_ids:
+            raise CaptureError("upstream stream sent two different prompt_token_ids")
+        self.prompt_token_ids = list(ids)
+
+    def _choice(self, choice: dict[str, Any]) -> None:
+        self._prompt(choice.get("prompt_token_ids"))
+        ids = choice.get("token_ids")
+        if ids is not None:
+            if not _is_int_list(ids):
+                raise CaptureError("upstream choices[0].token_ids is not a list of token ids")
+            self.token_ids.extend(ids)
+        logprobs = choice.get("logprobs")
+        if logprobs is not None:
+            if not isinstance(logprobs, dict):
+                raise CaptureError("upstream choices[0].logprobs is not an object")
+            if self.kind == "chat":
+                self.logprobs.extend(logprobs.get("content") or [])
+            else:
+                self.logprobs.extend(logprobs.get("token_logprobs") or [])
+                self.tokens.extend(logprobs.get("tokens") or [])
+        if self.kind == "chat":
+            delta = choice.get("delta") or {}
+            if not isinstance(delta, dict):
+                raise CaptureError("upstream choices[0].delta is not an object")
+            self.role = delta.get("role") or self.role
+            if isinstance(delta.get("content"), str):
+                self.text.append(delta["content"])
+            for call in delta.get("tool_calls") or []:
+                self._tool_call(call)
+        elif isinstance(choice.get("text"), str):
+            self.text.append(choice["text"])
+        if choice.get("finish_reason") is not None:
+            self.finish_reason = choice["finish_reason"]
+
+    def _tool_call(self, call: Any) -> None:
+        if not isinstance(call, dict):
+            raise CaptureError("upstream tool call delta is not an object")
+        merged = self.tool_calls.setdefault(int(call.get("index", len(self.tool_calls))), {"function": {}})
+        for key in ("id", "type"):
+            if call.get(key) is not None:
+                merged[key] = call[key]
+        function = call.get("function") or {}
+        if function.get("name"):
+            merged["function"]["name"] = function["name"]
+        if function.get("arguments") is not None:
+            merged["function"]["arguments"] = merged["function"].get("arguments", "") + function["arguments"]
+
+    def finish(self) -> tuple[dict[str, Any], Served]:
+        """The assembled response body and what it says was served."""
+        if self.finish_reason is None:
+            raise CaptureError("upstream stream ended without a finish_reason")
+        choice: dict[str, Any] = {"index": 0, "finish_reason": self.finish_reason, "token_ids": self.token_ids}
+        if self.kind == "chat":
+            message: dict[str, Any] = {"role": self.role, "content": "".join(self.text)}
+            if self.tool_calls:
+                message["tool_calls"] = [self.tool_calls[i] for i in sorted(self.tool_calls)]
+            choice.update(message=message, logprobs={"content": self.logprobs})
+        else:
+            choice.update(text="".join(self.text), logprobs={"tokens": self.tokens, "token_logprobs": self.logprobs})
+        body: dict[str, Any] = {
+            **self.meta,
+            "object": "chat.completion" if self.kind == "chat" else "text_completion",
+            "choices": [choice],
+            "usage": self.usage,
+            "model_version": self.version,
+        }
+        # Where a non-streaming response of this kind carries them (see the module docstring).
+        if self.kind == "chat":
+            body["prompt_token_ids"] = self.prompt_token_ids
+        else:
+            choice["prompt_token_ids"] = self.prompt_token_ids
+        return body, extract_served(body, self.headers, self.kind)
 
 
 def feedback_problem(item: FeedbackItem) -> str | None:

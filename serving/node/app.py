@@ -1,17 +1,33 @@
-"""The built-in node's HTTP surface: OpenAI-compatible chat completions plus an admin API.
+"""The built-in node's HTTP surface: OpenAI-compatible chat and text completions plus an admin API.
 
 ``create_app(engine, updater=None, settings)``.
 
-Response contract (OpenAI ChatCompletion plus vLLM-style extras):
-- ``choices[0].message.content`` and ``finish_reason`` ("stop" | "length");
-- ``choices[0].logprobs.content[j] = {token, logprob, bytes, top_logprobs: []}`` when ``logprobs``;
-- ``choices[0].token_ids`` and top-level ``prompt_token_ids`` when ``return_token_ids``;
-- ``model_version`` always, and the headers ``X-Flywheel-Model-Version`` and ``X-Flywheel-Node``.
+Response contract (OpenAI plus vLLM-style extras):
+- ``/v1/chat/completions``: ``choices[0].message.content`` and ``finish_reason`` ("stop" |
+  "length"); ``choices[0].logprobs.content[j] = {token, logprob, bytes, top_logprobs: []}`` when
+  ``logprobs``; ``choices[0].token_ids`` and top-level ``prompt_token_ids`` when ``return_token_ids``.
+- ``/v1/completions`` (one prompt, text or token ids; text is tokenised with the model's
+  tokenizer, special tokens added as vLLM does): ``choices[0].text``; ``choices[0].logprobs =
+  {tokens, token_logprobs, top_logprobs: null, text_offset}`` when ``logprobs`` is 0;
+  ``choices[0].token_ids`` and ``choices[0].prompt_token_ids`` when ``return_token_ids``.
+- ``model_version`` always (every streamed chunk too), and the headers ``X-Flywheel-Model-Version``
+  and ``X-Flywheel-Node``.
+- ``stream: true``: Server-Sent Events (:mod:`serving.protocol`). Chat: a first chunk with
+  ``delta.role`` (and top-level ``prompt_token_ids``), one chunk per token with its text delta and,
+  as asked, its logprob entry and ``token_ids: [id]``, a last chunk with an empty delta and
+  ``finish_reason``; text: one chunk per token (the first with ``prompt_token_ids`` on the choice),
+  then one with ``finish_reason``. With ``stream_options.include_usage`` every chunk has
+  ``usage: null`` and a final chunk with ``choices: []`` carries the usage. Then ``data: [DONE]``.
+  The engine is batch-based: a stream is the finished completion replayed token by token, so its
+  first byte comes when generation ends (true token streaming needs an incremental engine).
+  Text deltas are cut so that they concatenate to exactly the non-streaming text (a token that
+  ends inside a multi-byte character or a merge carries "" and a later one the rest).
 
 Invariants: the version reported is the one whose weights sampled the tokens (taken from the
 engine's completion, not read separately); unsupported options (``n > 1``, ``top_logprobs > 0``,
-streaming) are a 400, never silently ignored. ``stop`` is accepted and ignored (generation stops at
-eos or the token budget).
+legacy ``logprobs > 0``, ``echo``, ``suffix``) are a 400, never silently ignored; every error a
+request can meet (bad input, context overflow, engine not ready) is answered before a stream
+starts. ``stop`` is accepted and ignored (generation stops at eos or the token budget).
 
 Admin surface: ``POST /admin/update_weights`` only answers loopback clients — settings have no
 admin credential yet; a later issue replaces this check with one.
@@ -23,18 +39,28 @@ import asyncio
 import ipaddress
 import time
 import uuid
-from typing import Any
+from typing import Any, AsyncIterator, Callable, Iterator
 
 from fastapi import FastAPI, Request
 from jinja2 import TemplateError
 from fastapi.concurrency import run_in_threadpool
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from flywheel.settings import Settings
 from serving.errors import APIError, from_pydantic, install_error_handlers
-from serving.node.engine import Engine, EngineNotReady, GenerationRequest
-from serving.protocol import MODEL_VERSION_HEADER, NODE_HEADER, ChatCompletionRequest, parse_chat_request, read_json_body
+from serving.node.engine import Completion, Engine, EngineNotReady, GenerationRequest
+from serving.protocol import (
+    MODEL_VERSION_HEADER,
+    NODE_HEADER,
+    SSE_DONE,
+    ChatCompletionRequest,
+    CompletionRequest,
+    parse_chat_request,
+    parse_completion_request,
+    read_json_body,
+    sse_event,
+)
 
 
 class UpdateWeightsRequest(BaseModel):
@@ -53,8 +79,50 @@ def is_loopback(request: Request) -> bool:
         return False
 
 
+def text_deltas(decode: Callable[[list[int]], str], token_ids: list[int]) -> list[str]:
+    """One text piece per token such that ``"".join(pieces) == decode(token_ids)``.
+
+    Each token gets what its prefix adds to the decoded text; a prefix that ends in a partial
+    character (U+FFFD) or is not a prefix of the whole text holds its piece back for a later token.
+    Quadratic in the completion length (each prefix is decoded), fine for the built-in engine.
+    """
+    full = decode(token_ids)
+    pieces: list[str] = []
+    sent = 0
+    for i in range(1, len(token_ids) + 1):
+        prefix = full if i == len(token_ids) else decode(token_ids[:i])
+        if len(prefix) < sent or prefix.endswith("\ufffd") or not full.startswith(prefix):
+            pieces.append("")
+            continue
+        pieces.append(prefix[sent:])
+        sent = len(prefix)
+    return pieces
+
+
+def _usage(prompt_ids: list[int], completion: Completion) -> dict[str, int]:
+    return {
+        "prompt_tokens": len(prompt_ids),
+        "completion_tokens": len(completion.token_ids),
+        "total_tokens": len(prompt_ids) + len(completion.token_ids),
+    }
+
+
+def _chat_logprob(engine: Engine, token_id: int, logprob: float) -> dict[str, Any]:
+    token = engine.token_text(token_id)
+    return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8")), "top_logprobs": []}
+
+
+def _text_logprobs(engine: Engine, token_ids: list[int], logprobs: list[float], offsets: list[int]) -> dict[str, Any]:
+    return {
+        "tokens": [engine.token_text(t) for t in token_ids],
+        "token_logprobs": list(logprobs),
+        "top_logprobs": None,
+        "text_offset": list(offsets),
+    }
+
+
 def completion_body(
-    engine: Engine, chat: ChatCompletionRequest, model_name: str, prompt_ids: list[int], completion: Any
+    engine: Engine, chat: ChatCompletionRequest, model_name: str, prompt_ids: list[int], completion: Completion
 ) -> dict[str, Any]:
     choice: dict[str, Any] = {
         "index": 0,
@@ -63,10 +131,7 @@ def completion_body(
         "logprobs": None,
     }
     if chat.logprobs:
-        content = []
-        for token_id, logprob in zip(completion.token_ids, completion.logprobs, strict=True):
-            token = engine.token_text(token_id)
-            content.append({"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8")), "top_logprobs": []})
+        content = [_chat_logprob(engine, t, lp) for t, lp in zip(completion.token_ids, completion.logprobs, strict=True)]
         choice["logprobs"] = {"content": content}
     body: dict[str, Any] = {
         "id": f"chatcmpl-{uuid.uuid4().hex}",
@@ -74,17 +139,123 @@ def completion_body(
         "created": int(time.time()),
         "model": model_name,
         "choices": [choice],
-        "usage": {
-            "prompt_tokens": len(prompt_ids),
-            "completion_tokens": len(completion.token_ids),
-            "total_tokens": len(prompt_ids) + len(completion.token_ids),
-        },
+        "usage": _usage(prompt_ids, completion),
         "model_version": completion.version,
     }
     if chat.return_token_ids:
         choice["token_ids"] = list(completion.token_ids)
         body["prompt_token_ids"] = list(prompt_ids)
     return body
+
+
+def text_completion_body(
+    engine: Engine, req: CompletionRequest, model_name: str, prompt_ids: list[int], completion: Completion
+) -> dict[str, Any]:
+    pieces = text_deltas(engine.text, completion.token_ids)
+    choice: dict[str, Any] = {
+        "index": 0,
+        "text": "".join(pieces),
+        "logprobs": None,
+        "finish_reason": completion.finish_reason,
+    }
+    if req.logprobs is not None:
+        choice["logprobs"] = _text_logprobs(engine, completion.token_ids, completion.logprobs, _offsets(pieces))
+    if req.return_token_ids:
+        choice["token_ids"] = list(completion.token_ids)
+        choice["prompt_token_ids"] = list(prompt_ids)
+    return {
+        "id": f"cmpl-{uuid.uuid4().hex}",
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model_name,
+        "choices": [choice],
+        "usage": _usage(prompt_ids, completion),
+        "model_version": completion.version,
+    }
+
+
+def _offsets(pieces: list[str]) -> list[int]:
+    out, at = [], 0
+    for piece in pieces:
+        out.append(at)
+        at += len(piece)
+    return out
+
+
+def chat_chunks(
+    engine: Engine, chat: ChatCompletionRequest, model_name: str, prompt_ids: list[int], completion: Completion
+) -> Iterator[dict[str, Any]]:
+    """The chat completion as ``chat.completion.chunk`` objects (see the module docstring)."""
+    chunk_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+    usage = chat.include_usage
+
+    def chunk(choice: dict[str, Any] | None, **extra: Any) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "id": chunk_id, "object": "chat.completion.chunk", "created": created, "model": model_name,
+            "choices": [choice] if choice is not None else [], "model_version": completion.version,
+        }
+        if usage:
+            out["usage"] = None
+        out.update(extra)
+        return out
+
+    first = chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None})
+    if chat.return_token_ids:
+        first["prompt_token_ids"] = list(prompt_ids)
+    yield first
+    pieces = text_deltas(engine.text, completion.token_ids)
+    for token_id, logprob, piece in zip(completion.token_ids, completion.logprobs, pieces, strict=True):
+        choice: dict[str, Any] = {"index": 0, "delta": {"content": piece}, "logprobs": None, "finish_reason": None}
+        if chat.logprobs:
+            choice["logprobs"] = {"content": [_chat_logprob(engine, token_id, logprob)]}
+        if chat.return_token_ids:
+            choice["token_ids"] = [token_id]
+        yield chunk(choice)
+    yield chunk({"index": 0, "delta": {}, "logprobs": None, "finish_reason": completion.finish_reason})
+    if usage:
+        yield chunk(None, usage=_usage(prompt_ids, completion))
+
+
+def text_completion_chunks(
+    engine: Engine, req: CompletionRequest, model_name: str, prompt_ids: list[int], completion: Completion
+) -> Iterator[dict[str, Any]]:
+    """The text completion as streamed ``text_completion`` objects (see the module docstring)."""
+    chunk_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+    usage = req.include_usage
+
+    def chunk(choice: dict[str, Any] | None, **extra: Any) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "id": chunk_id, "object": "text_completion", "created": created, "model": model_name,
+            "choices": [choice] if choice is not None else [], "model_version": completion.version,
+        }
+        if usage:
+            out["usage"] = None
+        out.update(extra)
+        return out
+
+    pieces = text_deltas(engine.text, completion.token_ids)
+    offsets = _offsets(pieces)
+    for i, (token_id, logprob, piece) in enumerate(zip(completion.token_ids, completion.logprobs, pieces, strict=True)):
+        choice: dict[str, Any] = {"index": 0, "text": piece, "logprobs": None, "finish_reason": None}
+        if req.logprobs is not None:
+            choice["logprobs"] = _text_logprobs(engine, [token_id], [logprob], [offsets[i]])
+        if req.return_token_ids:
+            choice["token_ids"] = [token_id]
+            if i == 0:
+                choice["prompt_token_ids"] = list(prompt_ids)
+        yield chunk(choice)
+    yield chunk({"index": 0, "text": "", "logprobs": None, "finish_reason": completion.finish_reason})
+    if usage:
+        yield chunk(None, usage=_usage(prompt_ids, completion))
+
+
+def stream_response(chunks: Iterator[dict[str, Any]], headers: dict[str, str]) -> StreamingResponse:
+    async def body() -> AsyncIterator[bytes]:
+        for chunk in chunks:
+            yield sse_event(chunk)
+        yield SSE_DONE
+
+    return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache", **headers})
 
 
 def create_app(engine: Engine, updater: Any = None, settings: Settings | None = None) -> FastAPI:
@@ -97,44 +268,73 @@ def create_app(engine: Engine, updater: Any = None, settings: Settings | None = 
     app.state.updater = updater
     install_error_handlers(app)
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> JSONResponse:
-        chat = parse_chat_request(await read_json_body(request, max_body_bytes))
-        if chat.model is not None and chat.model != model_name:
-            raise APIError(404, f"the model `{chat.model}` does not exist; this node serves `{model_name}`",
+    def check_model(model: str | None) -> None:
+        if model is not None and model != model_name:
+            raise APIError(404, f"the model `{model}` does not exist; this node serves `{model_name}`",
                            param="model", code="model_not_found")
-        if chat.top_logprobs:
-            raise APIError(400, "top_logprobs > 0 is not supported yet; use 0 or omit it", param="top_logprobs")
 
-        try:
-            prompt_ids = engine.prompt_ids(chat.plain_messages())
-        except TemplateError as exc:
-            raise APIError(400, f"the model's chat template rejects these messages: {exc}", param="messages") from None
+    async def generate(
+        req: ChatCompletionRequest | CompletionRequest, prompt_ids: list[int], prompt_param: str
+    ) -> Completion:
         if not prompt_ids:
-            raise APIError(400, "the messages encode to an empty prompt", param="messages")
-        max_new = chat.max_new_tokens(settings.node.max_new_tokens)
+            raise APIError(400, f"the {prompt_param} encode to an empty prompt", param=prompt_param)
+        max_new = req.max_new_tokens(settings.node.max_new_tokens)
         if engine.max_context is not None and len(prompt_ids) + max_new > engine.max_context:
             raise APIError(
                 400,
                 f"the prompt is {len(prompt_ids)} tokens and max_tokens is {max_new}: together they exceed the "
-                f"model's context of {engine.max_context} tokens; shorten the conversation or lower max_tokens",
-                param="messages" if len(prompt_ids) >= engine.max_context else "max_tokens",
+                f"model's context of {engine.max_context} tokens; shorten the {prompt_param} or lower max_tokens",
+                param=prompt_param if len(prompt_ids) >= engine.max_context else "max_tokens",
                 code="context_length_exceeded",
             )
         gen = GenerationRequest(
             prompt_ids=prompt_ids,
             max_new_tokens=max_new,
-            temperature=1.0 if chat.temperature is None else chat.temperature,
-            top_p=1.0 if chat.top_p is None else chat.top_p,
-            seed=chat.seed,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            seed=req.seed,
         )
         try:
-            completion = await asyncio.wrap_future(engine.submit(gen))
+            return await asyncio.wrap_future(engine.submit(gen))
         except EngineNotReady as exc:
             raise APIError(503, str(exc), code="not_ready") from None
-        body_out = completion_body(engine, chat, model_name, prompt_ids, completion)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        chat = parse_chat_request(await read_json_body(request, max_body_bytes))
+        check_model(chat.model)
+        if chat.top_logprobs:
+            raise APIError(400, "top_logprobs > 0 is not supported yet; use 0 or omit it", param="top_logprobs")
+        try:
+            prompt_ids = engine.prompt_ids(chat.plain_messages())
+        except TemplateError as exc:
+            raise APIError(400, f"the model's chat template rejects these messages: {exc}", param="messages") from None
+        completion = await generate(chat, prompt_ids, "messages")
         headers = {MODEL_VERSION_HEADER: str(completion.version), NODE_HEADER: node_id}
-        return JSONResponse(body_out, headers=headers)
+        if chat.stream:
+            return stream_response(chat_chunks(engine, chat, model_name, prompt_ids, completion), headers)
+        return JSONResponse(completion_body(engine, chat, model_name, prompt_ids, completion), headers=headers)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        req = parse_completion_request(await read_json_body(request, max_body_bytes))
+        check_model(req.model)
+        if req.logprobs:
+            raise APIError(400, "logprobs > 0 (alternatives per token) is not supported yet; use 0 or omit it",
+                           param="logprobs")
+        if isinstance(req.prompt, str):
+            prompt_ids = list(engine.tokenizer.encode(req.prompt))
+        else:
+            vocab = len(engine.tokenizer)
+            bad = next((t for t in req.prompt if not isinstance(t, int) or not 0 <= t < vocab), None)
+            if bad is not None:
+                raise APIError(400, f"prompt token id {bad} is outside the vocabulary (0..{vocab - 1})", param="prompt")
+            prompt_ids = list(req.prompt)  # type: ignore[arg-type]
+        completion = await generate(req, prompt_ids, "prompt")
+        headers = {MODEL_VERSION_HEADER: str(completion.version), NODE_HEADER: node_id}
+        if req.stream:
+            return stream_response(text_completion_chunks(engine, req, model_name, prompt_ids, completion), headers)
+        return JSONResponse(text_completion_body(engine, req, model_name, prompt_ids, completion), headers=headers)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

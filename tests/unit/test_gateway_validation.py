@@ -122,8 +122,11 @@ def test_rejected_requests_get_envelopes_and_leave_the_bus_untouched(client, bus
     err = _envelope(client.post(CHAT, json={"messages": GOOD_MESSAGES, "logprobs": "yes"}), 400)
     assert err["param"] == "logprobs"
 
-    err = _envelope(client.post(CHAT, json={"messages": GOOD_MESSAGES, "stream": True}), 400)
+    err = _envelope(client.post(CHAT, json={"messages": GOOD_MESSAGES, "stream": "yes"}), 400)
     assert err["param"] == "stream"
+
+    err = _envelope(client.post(CHAT, json={"messages": GOOD_MESSAGES, "stream_options": {"include_usage": True}}), 400)
+    assert err["param"] == "stream_options"
 
     huge = json.dumps({"messages": [{"role": "user", "content": "x" * 5000}]}).encode()
     err = _envelope(client.post(CHAT, content=huge, headers={"content-type": "application/json"}), 413)
