@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any, AsyncIterator, Literal
+from typing import Any, AsyncIterator, Literal, TypeVar
 
 from fastapi import Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -150,27 +150,28 @@ class FeedbackBatch(BaseModel):
     feedback: list[FeedbackItem] = Field(min_length=1, max_length=1000)
 
 
-def parse_chat_request(body: Any) -> ChatCompletionRequest:
-    """Validate a parsed JSON body as a chat completion this server supports, or raise a 400."""
+_Request = TypeVar("_Request", bound=BaseModel)
+
+
+def _validate(model: type[_Request], body: Any) -> _Request:
     if not isinstance(body, dict):
         raise APIError(400, "request body must be a JSON object", code="invalid_json")
     try:
-        chat = ChatCompletionRequest.model_validate(body)
+        request = model.model_validate(body)
     except ValidationError as exc:
         raise from_pydantic(exc) from None
-    _check_common(chat)
-    return chat
+    _check_common(request)
+    return request
+
+
+def parse_chat_request(body: Any) -> ChatCompletionRequest:
+    """Validate a parsed JSON body as a chat completion this server supports, or raise a 400."""
+    return _validate(ChatCompletionRequest, body)
 
 
 def parse_completion_request(body: Any) -> CompletionRequest:
     """Validate a parsed JSON body as a text completion this server supports, or raise a 400."""
-    if not isinstance(body, dict):
-        raise APIError(400, "request body must be a JSON object", code="invalid_json")
-    try:
-        req = CompletionRequest.model_validate(body)
-    except ValidationError as exc:
-        raise from_pydantic(exc) from None
-    _check_common(req)
+    req = _validate(CompletionRequest, body)
     prompt = req.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         if len(prompt) != 1:

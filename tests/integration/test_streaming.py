@@ -208,7 +208,7 @@ def test_a_stream_loses_what_the_client_did_not_ask_for(served):
     generation = r.headers["X-Flywheel-Generation"]
     (event,) = served.events([generation])[generation]
     # ... but the gateway asked the node for all of it, and recorded it.
-    assert 1 <= len(event.completion_token_ids) == len(event.completion_logprobs) <= 8
+    assert len(event.completion_token_ids) == len(event.completion_logprobs) in range(1, 9)
     assert event.session_id == r.headers["X-Flywheel-Session"]
     assert event.response["choices"][0]["message"]["content"] == "".join(
         c["choices"][0]["delta"].get("content") or "" for c in chunks)
