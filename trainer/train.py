@@ -28,8 +28,8 @@ publish -> commit offsets -> cleanup.
   loaded or published, where the fp32 master still equals it (up to bf16 rounding, itself part of
   the train/inference mismatch this measures); later steps have moved the master away.
 - Position ``t`` of ``logp_new`` is ``log p(token t | tokens < t)`` at temperature 1, which is what
-  the served logprobs are when the engine samples at temperature 1 (the wire contract does not yet
-  carry per-turn sampling temperature; see the report).
+  the served logprobs are when the engine samples at temperature 1 and top_p 1; turns sampled
+  otherwise (each turn records its sampling) are masked out of the loss (``trainer.buffer``).
 """
 
 from __future__ import annotations
