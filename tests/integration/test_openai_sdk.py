@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from flywheel.tinymodel import sampling
-from tests.integration.test_serving import MESSAGES
+from tests.fixtures.roles import MESSAGES
 from tests.integration.test_streaming import Served, faulty_upstream, running_stack
 
 pytestmark = pytest.mark.integration

@@ -27,7 +27,7 @@ from flywheel.events import GenerationEvent
 from flywheel.settings import Settings, load_settings
 from flywheel.tinymodel import sampling
 from serving.server import bind, serve
-from tests.integration.test_serving import MESSAGES, _free_port, _Role, _wait
+from tests.fixtures.roles import MESSAGES, RoleThread, free_port, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -73,11 +73,11 @@ def running_stack(data_dir: Path, model_dir: Path, *, node: bool = True, **gatew
         db={"url": db_url, "wait_s": 10},
         bus={"kind": "local", "partitions": 2, "topic_prefix": f"st-{uuid.uuid4().hex[:8]}."},
         model={"path": str(model_dir)},
-        node={"port": _free_port(), "poll_s": 0.5, "node_id": "node-st", "max_new_tokens": 16},
-        gateway={"port": _free_port(), **gateway},
+        node={"port": free_port(), "poll_s": 0.5, "node_id": "node-st", "max_new_tokens": 16},
+        gateway={"port": free_port(), **gateway},
     )
     stop = threading.Event()
-    roles = [_Role("gateway", run_gateway, settings, stop)] + ([_Role("node", run_node, settings, stop)] if node else [])
+    roles = [RoleThread("gateway", run_gateway, settings, stop)] + ([RoleThread("node", run_node, settings, stop)] if node else [])
     bus = make_bus(settings)
     node_url = f"http://127.0.0.1:{settings.node.port}"
     gateway_url = f"http://127.0.0.1:{settings.gateway.port}"
@@ -85,14 +85,14 @@ def running_stack(data_dir: Path, model_dir: Path, *, node: bool = True, **gatew
         for role in roles:
             role.start()
 
-        def up(url: str, role: _Role) -> bool:
+        def up(url: str, role: RoleThread) -> bool:
             if role.error is not None:
                 raise AssertionError(f"{role.name} failed to start: {role.error!r}") from role.error
             return httpx.get(url, timeout=2).status_code == 200
 
         if node:
-            _wait("the node", lambda: up(f"{node_url}/health", roles[1]), timeout_s=120)
-        _wait("the gateway", lambda: up(f"{gateway_url}/health", roles[0]))
+            wait_until("the node", lambda: up(f"{node_url}/health", roles[1]), timeout_s=120)
+        wait_until("the gateway", lambda: up(f"{gateway_url}/health", roles[0]))
         yield Served(settings, gateway_url, node_url if node else None, bus)
     finally:
         stop.set()
@@ -331,7 +331,7 @@ def faulty_upstream() -> Iterator[str]:
     thread.start()
     url = f"http://127.0.0.1:{port}"
     try:
-        _wait("the faulty upstream", lambda: httpx.get(f"{url}/nowhere", timeout=2).status_code == 404)
+        wait_until("the faulty upstream", lambda: httpx.get(f"{url}/nowhere", timeout=2).status_code == 404)
         yield url
     finally:
         stop.set()
@@ -404,7 +404,7 @@ def test_a_stream_the_bus_refuses_ends_in_an_error_event(tmp_path, tiny_model_di
                                   kwargs={"host": "127.0.0.1", "port": port, "stop": stop, "sock": sock})
         thread.start()
         try:
-            _wait("the gateway", lambda: httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200)
+            wait_until("the gateway", lambda: httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200)
             with httpx.Client(timeout=30) as client:
                 r, events = stream(client, f"http://127.0.0.1:{port}/v1/chat/completions",
                                    {"messages": MESSAGES, "stream": True})
