@@ -107,6 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
     from flywheel.weights.cli import add_weights_commands
 
     add_weights_commands(sub)
+    from flywheel.keys import add_keys_commands
+
+    add_keys_commands(sub)
     return parser
 
 
@@ -162,6 +165,10 @@ def dispatch(args: argparse.Namespace, settings: Settings) -> int:
         return run_demo(settings, options, stop_on_signals())
     if command == "weights":
         return args.weights_func(args)
+    if command == "keys":
+        from flywheel.keys import run_keys_command
+
+        return run_keys_command(args, settings)
     raise AssertionError(f"unhandled command {command}")
 
 

@@ -78,6 +78,43 @@ class GatewaySettings(_Section):
     default_tenant: str = "local"
     max_body_bytes: int = Field(1_000_000, ge=1_024)
     upstream_timeout_s: float = Field(120.0, gt=0)
+    #: Names this gateway process: its spool folder and its metrics. Two gateways never share one.
+    gateway_id: str = "gateway-0"
+    # Capture (serving/gateway/spool.py, shipper.py) -----------------------------------------------
+    #: The write-ahead spool every event passes through; empty means ``{data_dir}/spool/{gateway_id}``.
+    spool_dir: str = ""
+    #: Unshipped events the spool may hold before ``spool_full`` applies.
+    spool_max_bytes: int = Field(1 << 30, ge=1 << 16)
+    #: The spool is fsync'd in batches at most this far apart (writes survive a killed process at once).
+    spool_fsync_interval_ms: float = Field(20.0, gt=0)
+    #: ``drop``: keep serving and count every event that could not be spooled (loudly);
+    #: ``reject``: answer new completion requests with 503 while the spool is full.
+    spool_full: Literal["drop", "reject"] = "drop"
+    #: When a response is released: once its event is ``written`` to the spool (survives a killed
+    #: gateway), ``fsynced`` (survives a host crash), or acknowledged by the ``bus``.
+    capture_ack: Literal["written", "fsynced", "bus"] = "written"
+    #: Records per bus batch the shipper sends, and how long it waits for their acknowledgement
+    #: before it treats the bus as down (events stay spooled and are replayed in order).
+    ship_batch: int = Field(500, ge=1)
+    ship_timeout_s: float = Field(5.0, gt=0)
+    #: Events above this many bytes are compressed, then split into chunks of at most this size
+    #: (Kafka's default message.max.bytes is 1 MiB); never truncated.
+    max_record_bytes: int = Field(900_000, ge=1_024)
+    #: SIGTERM: how long in-flight requests may finish, then as long again for the spool to drain
+    #: to the bus (what is left stays spooled for the next start).
+    drain_timeout_s: float = Field(30.0, ge=0)
+    # Tenancy, auth and limits (serving/gateway/auth.py, state.py) -------------------------------
+    #: Default per-key request limit per minute (0: unlimited); a key may carry its own.
+    rate_limit_rpm: int = Field(0, ge=0)
+    #: Requests a key may make at once above its steady rate (token-bucket capacity; 0: rpm / 6).
+    rate_limit_burst: int = Field(0, ge=0)
+    #: Validated keys are cached this long, so a revoked key stops working within this time.
+    key_cache_s: float = Field(5.0, ge=0)
+    #: How long the gateway remembers which tenant owns a generation or session (feedback may come
+    #: this late; older ones are looked up in the database).
+    ownership_ttl_s: float = Field(7 * 86_400.0, gt=0)
+    #: A session keeps its model version (sticky) for this long after its last request.
+    session_ttl_s: float = Field(86_400.0, gt=0)
 
 
 class NodeSettings(_Section):
@@ -88,6 +125,10 @@ class NodeSettings(_Section):
     #: How often the updater looks for a newer stable version (database poll fallback).
     poll_s: float = Field(1.0, gt=0)
     max_new_tokens: int = Field(16, ge=1, le=4096)
+    #: Versions a node keeps loaded, so sessions pinned to a recent version stay on it (sticky).
+    keep_versions: int = Field(4, ge=1)
+    #: The base URL the gateway reaches this node at (heartbeats carry it); empty: http://host:port.
+    url: str = ""
     max_body_bytes: int = Field(1_000_000, ge=1_024)
     seed: int = 0
 
@@ -142,6 +183,8 @@ class TrainerSettings(_Section):
 class RolloutSettings(_Section):
     #: Seconds between rollout decisions (hours in production, seconds in the demo).
     interval_s: float = Field(10.0, gt=0)
+    #: Share of new sessions the gateway sends to a version in ``canary`` status.
+    canary_fraction: float = Field(0.1, ge=0, le=1)
 
 
 class Settings(BaseSettings):

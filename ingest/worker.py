@@ -1,12 +1,14 @@
 """The ingest worker: generations + feedback from the bus -> persisted raw events -> trajectories.
 
 Per polled batch, in one database transaction: decode each record (undecodable or invalid ->
-dead letter, still committed), persist the raw events idempotently, track the sessions, and close
-those an outcome (or abandonment) ended, or that late feedback re-opened. Then the DB commit, then
-the trajectories go on the bus, and only then the bus offsets are committed. Sessions with no
-event for ``ingest.inactivity_timeout_s`` are closed on every pass once the consumer has caught up
-(a full poll means a backlog: its old timestamps must not close sessions whose next event is
-still queued).
+dead letter, still committed; a large event the gateway split into chunks is reassembled first by
+``flywheel.bus.envelope``, and offsets are committed only up to the first chunk of a set still
+incomplete, so a restart reads its chunks again), persist the raw events idempotently, track the
+sessions, and close those an outcome (or abandonment) ended, or that late feedback re-opened.
+Then the DB commit, then the trajectories go on the bus, and only then the bus offsets are
+committed. Sessions with no event for ``ingest.inactivity_timeout_s`` are closed on every pass
+once the consumer has caught up (a full poll means a backlog: its old timestamps must not close
+sessions whose next event is still queued).
 
 Crash safety (the outbox): closing a session commits its trajectory row and sets the session to
 ``closing`` in the same transaction; a trajectory is produced only from that committed state, and
@@ -34,6 +36,7 @@ from datetime import UTC, datetime, timedelta
 from sqlalchemy.orm import Session, sessionmaker
 
 from flywheel.bus import Consumer, Producer, Record, make_bus
+from flywheel.bus.envelope import Reassembler
 from flywheel.db.session import make_session_factory, open_database
 from flywheel.events import FeedbackEvent, GenerationEvent
 from flywheel.settings import Settings
@@ -62,6 +65,7 @@ class Ingestor:
         self.feedback_topic = settings.topic("feedback")
         self.trajectories_topic = settings.topic("trajectories")
         self.counters: Counter[str] = Counter()
+        self.reassembler = Reassembler()
 
     # --- one polled batch ------------------------------------------------------------------------
 
@@ -83,11 +87,19 @@ class Ingestor:
                 self._close(db, tenant, session_id, reason, now)
         self.emit_pending()
 
+    def committable(self, records: Sequence[Record], consumer: Consumer) -> list[Record]:
+        """The polled ``records`` whose offsets may be committed (see the module docstring)."""
+        self.reassembler.retain(consumer.assignment())
+        return self.reassembler.committable(records)
+
     def _decode(self, record: Record, consumer: Consumer) -> GenerationEvent | FeedbackEvent | None:
         kind = GenerationEvent if record.topic == self.generations_topic else FeedbackEvent
         try:
-            return kind.from_bytes(record.value)
-        except ValueError as exc:  # pydantic.ValidationError and UnicodeDecodeError are ValueErrors
+            whole = self.reassembler.feed(record)
+            if whole is None:
+                return None  # a chunk of a large event; the event comes with its last chunk
+            return kind.from_bytes(whole.value)
+        except ValueError as exc:  # EnvelopeError, pydantic.ValidationError, UnicodeDecodeError
             reason = f"undecodable {kind.__name__}: {exc}"[:1000]
             consumer.dead_letter(record, reason)
             self.counters["dead_lettered"] += 1
@@ -198,7 +210,7 @@ def run(settings: Settings, stop: threading.Event | None = None) -> None:
             records = consumer.poll(timeout_s=POLL_TIMEOUT_S, max_records=MAX_RECORDS)
             if records:
                 ingestor.process(records, consumer)
-                consumer.commit(records)
+                consumer.commit(ingestor.committable(records, consumer))
             if len(records) < MAX_RECORDS:
                 ingestor.close_inactive()
     finally:

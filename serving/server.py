@@ -37,11 +37,14 @@ def serve(
     sock: socket.socket | None = None,
     ready: threading.Event | None = None,
     log_level: str = "warning",
+    graceful_timeout_s: float | None = None,
 ) -> None:
-    """Serve ``app`` until ``stop`` is set (or SIGINT/SIGTERM when run in the main thread)."""
+    """Serve ``app`` until ``stop`` is set (or SIGINT/SIGTERM when run in the main thread); at
+    shutdown in-flight requests get ``graceful_timeout_s`` to finish (None: as long as they need)."""
     # log_config=None: uvicorn must not reconfigure the process's logging (the entry point owns it).
     config = uvicorn.Config(
-        app, host=host, port=port, log_level=log_level.lower(), log_config=None, access_log=False, lifespan="on"
+        app, host=host, port=port, log_level=log_level.lower(), log_config=None, access_log=False, lifespan="on",
+        timeout_graceful_shutdown=graceful_timeout_s,
     )
     server = uvicorn.Server(config)
     done = threading.Event()

@@ -2,7 +2,9 @@
 
 Semantics both backends guarantee, checked by one conformance suite (tests/integration/test_bus.py):
 - ``Producer.send`` appends to a partition chosen by hashing the key, so one key's records keep
-  their order; when ``send`` (or ``flush``) returns, the record is durable.
+  their order; every record sent is durable when a later ``flush`` returns without raising (a
+  backend may make it durable sooner). ``flush(timeout_s)`` raises :class:`BusError` rather than
+  wait past ``timeout_s``; a producer whose flush failed is closed and replaced, not reused.
 - A consumer group reads each partition in order and resumes from its last *committed* offset after
   a restart; records polled but not committed are delivered again (at-least-once).
 - ``commit`` is called by the application only after a record is durably processed.
@@ -35,11 +37,14 @@ class Record:
 
 class Producer(Protocol):
     def send(self, topic: str, key: str, value: bytes, headers: dict[str, str] | None = None) -> None:
-        """Append one record; durable when this returns (or at the latest when ``flush`` returns)."""
+        """Append one record; durable at the latest when the next ``flush`` returns."""
 
-    def flush(self, timeout_s: float | None = None) -> None: ...
+    def flush(self, timeout_s: float | None = None) -> None:
+        """Block until every record sent so far is durable; raise :class:`BusError` if one failed
+        or ``timeout_s`` passed first."""
 
-    def close(self) -> None: ...
+    def close(self, timeout_s: float | None = None) -> None:
+        """Flush (within ``timeout_s``), then release the producer; raises like ``flush``."""
 
 
 class Consumer(Protocol):
@@ -63,7 +68,9 @@ class Consumer(Protocol):
 class Bus(Protocol):
     def ensure_topics(self, topics: Sequence[str]) -> None: ...
 
-    def producer(self) -> Producer: ...
+    def producer(self, *, timeout_s: float | None = None) -> Producer:
+        """A new producer. ``timeout_s`` bounds every wait on an unreachable backend (creating the
+        producer, ``send`` waiting for metadata); None keeps the backend's defaults."""
 
     def consumer(self, group: str, topics: Sequence[str], client_id: str | None = None) -> Consumer: ...
 

@@ -9,6 +9,11 @@ Semantics, matching ``flywheel.bus.base``:
   already known when ``send`` is called is raised by that ``send`` too, so errors are never lost
   by a caller that forgets to flush. Keys are UTF-8 bytes, so Kafka's default partitioner (murmur2)
   places a key on the same partition number as the local log does.
+- A dead or unreachable broker never makes a producer hang: ``producer(timeout_s=T)`` bounds
+  creating it (bootstrap), a ``send`` waiting for topic metadata, and each request by ``T``;
+  ``flush(timeout_s)`` raises :class:`BusError` when ``timeout_s`` passes. A producer whose flush
+  failed is closed (``close(0)`` abandons what is unacknowledged) and replaced by a new one, so a
+  broker that comes back is met by fresh connections, not by a client deep in reconnect backoff.
 - Consumer: ``enable_auto_commit=False``, ``auto_offset_reset="earliest"``; ``commit`` commits
   ``last offset + 1`` per partition synchronously. Partitions this consumer no longer owns after
   a rebalance are skipped with a warning, and a commit the group coordinator rejects because a
@@ -86,16 +91,31 @@ class KafkaBus:
                 pass  # the goal state: it exists (with whatever count it was created with)
             self._known_topics.add(topic)
 
-    def producer(self) -> "KafkaBusProducer":
-        return KafkaBusProducer(
-            KafkaProducer(
+    def producer(self, *, timeout_s: float | None = None) -> "KafkaBusProducer":
+        """An idempotent, acks=all producer; see the module docstring for ``timeout_s``."""
+        bounds: dict[str, int] = {}
+        if timeout_s is not None:
+            ms = max(1, int(timeout_s * 1000))
+            request_ms = min(30_000, max(1_000, ms))
+            bounds = {
+                "bootstrap_timeout_ms": ms,
+                "max_block_ms": ms,
+                "request_timeout_ms": request_ms,
+                "delivery_timeout_ms": max(120_000, request_ms),
+                "reconnect_backoff_max_ms": 1_000,
+            }
+        try:
+            producer = KafkaProducer(
                 bootstrap_servers=self.bootstrap_servers,
                 client_id=f"{self.client_id}-producer",
                 enable_idempotence=True,
                 acks="all",
                 compression_type=self.compression,
+                **bounds,
             )
-        )
+        except KafkaError as exc:
+            raise BusError(f"cannot create a producer for {self.bootstrap_servers}: {exc}") from exc
+        return KafkaBusProducer(producer)
 
     def consumer(self, group: str, topics: Sequence[str], client_id: str | None = None) -> "KafkaBusConsumer":
         if not topics:

@@ -8,17 +8,17 @@ Layout under the bus directory (``settings.bus_log_path``)::
     groups/<group>/<topic>/<p>.owner    flock held by the one consumer that owns the partition
     groups/<group>/<topic>/<p>.offset   committed {"offset", "position"}, replaced atomically
 
-Frame: ``length u32 | crc32 u32 | payload`` (big endian), ``crc32 = crc32(length bytes + payload)``;
-payload = ``version u8 | offset u64 | timestamp_ms i64 | key_len i32 (-1: none) | key |
-headers_len u32 | headers (JSON object) | value``. The offset inside the frame must equal the
-frame's index in the file, so a frame from the wrong place is caught too.
+Frames are ``flywheel.bus.frames``'s (length, crc32, offset, timestamp, key, headers, value); the
+offset inside a frame must equal the frame's index in the file.
 
 Invariants and semantics:
 
 - Appends are serialised across processes by an exclusive ``flock`` on the log file and are one
-  ``write`` each. ``Producer.send`` returns after the frame is written *and* ``fsync``-ed: a record
-  is durable (survives a process or machine crash) when ``send`` returns; ``flush`` has nothing
-  left to do. A reader sees a record as soon as it is written.
+  ``write`` each. ``Producer.send`` returns after the frame is written: it survives a crash of the
+  producing process at once, and a reader sees it at once. ``Producer.flush`` ``fsync``s every
+  partition file this producer wrote since its last flush (group commit: one ``fsync`` per file
+  per batch, not per record): every record sent before it is durable (survives a machine crash)
+  when ``flush`` returns. ``close`` flushes.
 - A crash mid-append leaves a torn tail: an incomplete frame, or a complete one that fails its
   checks and reaches the end of the file (or is followed only by zero bytes). Readers stop before
   it and wait; the next writer, holding the lock, truncates it before appending. A bad frame with
@@ -40,33 +40,25 @@ Invariants and semantics:
 
 from __future__ import annotations
 
-import errno
 import fcntl
 import itertools
 import json
 import logging
 import os
 import re
-import struct
 import time
 import uuid
-import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
 from flywheel.bus.base import BusError, Record, dead_letter_headers, dlq_topic, partition_for_key
+from flywheel.bus.frames import CorruptLogError, encode_frame, fsync_dir, scan, try_lock, write_atomic
+
+__all__ = ["CorruptLogError", "LocalLogBus", "LocalLogConsumer", "LocalLogProducer", "encode_frame", "scan"]
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
-_HEADER = struct.Struct(">II")  # length, crc32
-_FIXED = struct.Struct(">BQqi")  # version, offset, timestamp_ms, key_len
-_U32 = struct.Struct(">I")
-#: Smallest payload: fixed part + headers_len (empty key, headers and value still need these).
-MIN_PAYLOAD = _FIXED.size + _U32.size
-MAX_PAYLOAD = 256 * 1024 * 1024
-_READ_CHUNK = 256 * 1024
 #: How often a consumer looks at the group membership (inside ``poll``).
 REBALANCE_INTERVAL_S = 0.2
 #: Sleep between looks for new data while ``poll`` waits.
@@ -76,175 +68,10 @@ _NAME = re.compile(r"^[A-Za-z0-9._-]{1,249}$")
 _MAX_TRACKED = 100_000
 
 
-class CorruptLogError(BusError):
-    """A frame in the middle of a partition log fails its checks: not a torn tail, real damage."""
-
-
 def _check_name(kind: str, name: str) -> str:
     if not _NAME.match(name) or name in (".", ".."):
         raise ValueError(f"invalid {kind} name {name!r}: use 1-249 of [A-Za-z0-9._-]")
     return name
-
-
-# Frames (pure) ----------------------------------------------------------------------------------
-
-
-def encode_frame(
-    offset: int, key: str | None, value: bytes, headers: dict[str, str], timestamp_ms: int
-) -> bytes:
-    key_bytes = b"" if key is None else key.encode("utf-8")
-    header_bytes = json.dumps(headers, separators=(",", ":"), sort_keys=True).encode("utf-8")
-    payload = b"".join(
-        (
-            _FIXED.pack(FORMAT_VERSION, offset, timestamp_ms, -1 if key is None else len(key_bytes)),
-            key_bytes,
-            _U32.pack(len(header_bytes)),
-            header_bytes,
-            value,
-        )
-    )
-    if len(payload) > MAX_PAYLOAD:
-        raise ValueError(f"record of {len(payload)} bytes exceeds the {MAX_PAYLOAD} byte limit")
-    length = _U32.pack(len(payload))
-    return length + _U32.pack(zlib.crc32(length + payload)) + payload
-
-
-@dataclass(frozen=True)
-class _Decoded:
-    offset: int
-    timestamp_ms: int
-    key: str | None
-    headers: dict[str, str]
-    value: bytes
-
-
-def _decode_payload(payload: bytes) -> _Decoded:
-    version, offset, ts, key_len = _FIXED.unpack_from(payload, 0)
-    if version != FORMAT_VERSION:
-        raise ValueError(f"unknown frame version {version}")
-    at = _FIXED.size
-    key: str | None = None
-    if key_len >= 0:
-        key = payload[at : at + key_len].decode("utf-8")
-        at += key_len
-    elif key_len != -1:
-        raise ValueError("negative key length")
-    (headers_len,) = _U32.unpack_from(payload, at)
-    at += _U32.size
-    headers = json.loads(payload[at : at + headers_len])
-    if not isinstance(headers, dict):
-        raise ValueError("headers are not an object")
-    at += headers_len
-    if at > len(payload):
-        raise ValueError("frame fields overrun the payload")
-    return _Decoded(offset, ts, key, headers, payload[at:])
-
-
-@dataclass
-class _Scan:
-    """What one pass over a partition file found, from ``start`` onwards."""
-
-    frames: list[tuple[_Decoded, int]]  # (record, file position after it)
-    position: int  # after the last good frame returned
-    next_offset: int
-    torn: bool  # bytes after ``position`` that are not (yet) a good frame
-
-
-def _is_zero_tail(fd: int, pos: int, size: int) -> bool:
-    while pos < size:
-        chunk = os.pread(fd, min(_READ_CHUNK, size - pos), pos)
-        if not chunk or chunk.count(0) != len(chunk):
-            return False
-        pos += len(chunk)
-    return True
-
-
-def scan(fd: int, position: int, next_offset: int, *, max_records: int | None, path: str) -> _Scan:
-    """Read good frames from ``position`` (whose offset must be ``next_offset``) up to EOF.
-
-    Stops early after ``max_records``. A torn tail sets ``torn``; damage followed by more data
-    raises :class:`CorruptLogError`.
-    """
-    size = os.fstat(fd).st_size
-    frames: list[tuple[_Decoded, int]] = []
-    buf = b""
-    buf_at = position  # file position of buf[0]
-    pos = position
-    while pos < size and (max_records is None or len(frames) < max_records):
-        if pos + _HEADER.size > buf_at + len(buf):
-            buf = os.pread(fd, min(_READ_CHUNK, size - pos), pos)
-            buf_at = pos
-        if len(buf) - (pos - buf_at) < _HEADER.size:
-            return _Scan(frames, pos, next_offset, torn=True)  # partial header
-        length, crc = _HEADER.unpack_from(buf, pos - buf_at)
-        end = pos + _HEADER.size + length
-        if MIN_PAYLOAD <= length <= MAX_PAYLOAD and end > size:
-            return _Scan(frames, pos, next_offset, torn=True)  # incomplete frame
-        problem = ""
-        decoded = None
-        if not MIN_PAYLOAD <= length <= MAX_PAYLOAD:
-            problem = f"impossible frame length {length}"
-        else:
-            if end > buf_at + len(buf):
-                buf = os.pread(fd, max(_READ_CHUNK, end - pos), pos)
-                buf_at = pos
-            lo = pos - buf_at
-            frame = buf[lo : lo + _HEADER.size + length]
-            if zlib.crc32(frame[:4] + frame[_HEADER.size :]) != crc:
-                problem = "crc32 mismatch"
-            else:
-                try:
-                    decoded = _decode_payload(frame[_HEADER.size :])
-                except (ValueError, struct.error, UnicodeDecodeError) as exc:
-                    problem = f"undecodable frame ({exc})"
-                else:
-                    if decoded.offset != next_offset:
-                        problem = f"frame offset {decoded.offset}, expected {next_offset}"
-        if problem:
-            if end >= size or _is_zero_tail(fd, pos, size):
-                return _Scan(frames, pos, next_offset, torn=True)
-            raise CorruptLogError(f"{path}: {problem} at byte {pos} (offset {next_offset})")
-        assert decoded is not None
-        frames.append((decoded, end))
-        pos = end
-        next_offset += 1
-    return _Scan(frames, pos, next_offset, torn=False)
-
-
-# Small file helpers ------------------------------------------------------------------------------
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _try_lock(path: Path, *, create: bool = True) -> int | None:
-    """Open ``path`` (creating it if ``create``) and take an exclusive flock without waiting; None if held."""
-    fd = os.open(path, os.O_RDWR | (os.O_CREAT if create else 0), 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as exc:
-        os.close(fd)
-        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-            return None
-        raise
-    return fd
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    try:
-        os.write(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
 
 
 # The bus -----------------------------------------------------------------------------------------
@@ -288,8 +115,8 @@ class LocalLogBus:
                 pass  # another process created it first; its count is the topic's count
             finally:
                 tmp.unlink()
-            _fsync_dir(meta.parent)
-            _fsync_dir(meta.parent.parent)
+            fsync_dir(meta.parent)
+            fsync_dir(meta.parent.parent)
         count = int(json.loads(meta.read_text())["partitions"])
         self._counts[topic] = count
         return count
@@ -298,7 +125,8 @@ class LocalLogBus:
         for topic in topics:
             self.partition_count(topic, create=True)
 
-    def producer(self) -> "LocalLogProducer":
+    def producer(self, *, timeout_s: float | None = None) -> "LocalLogProducer":
+        """A producer; ``timeout_s`` is accepted for the interface (local files never wait on a peer)."""
         return LocalLogProducer(self)
 
     def consumer(self, group: str, topics: Sequence[str], client_id: str | None = None) -> "LocalLogConsumer":
@@ -316,9 +144,10 @@ class _Writer:
         created = not path.exists()
         self.fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
         if created:
-            _fsync_dir(path.parent)
+            fsync_dir(path.parent)
         self.position = 0
         self.next_offset = 0
+        self.dirty = False
 
     def append(self, key: str | None, value: bytes, headers: dict[str, str]) -> int:
         fcntl.flock(self.fd, fcntl.LOCK_EX)
@@ -340,17 +169,22 @@ class _Writer:
                 raise BusError(f"{self.path}: short write ({written} of {len(frame)} bytes)")
             self.position += len(frame)
             self.next_offset += 1
+            self.dirty = True
         finally:
             fcntl.flock(self.fd, fcntl.LOCK_UN)
-        os.fsync(self.fd)
         return offset
+
+    def sync(self) -> None:
+        if self.dirty:
+            os.fsync(self.fd)
+            self.dirty = False
 
     def close(self) -> None:
         os.close(self.fd)
 
 
 class LocalLogProducer:
-    """``send`` is durable on return (written and fsync-ed); ``flush`` is a no-op."""
+    """``send`` writes (visible, survives a killed process); ``flush`` fsyncs what was sent (durable)."""
 
     def __init__(self, bus: LocalLogBus) -> None:
         self._bus = bus
@@ -373,13 +207,20 @@ class LocalLogProducer:
         writer.append(key, bytes(value), dict(headers or {}))
 
     def flush(self, timeout_s: float | None = None) -> None:
-        """Every ``send`` already returned durable; nothing is buffered."""
+        """``fsync`` every partition file written since the last flush (``timeout_s`` is not needed:
+        a local ``fsync`` either completes or raises)."""
+        for writer in self._writers.values():
+            writer.sync()
 
     def close(self, timeout_s: float | None = None) -> None:
-        for writer in self._writers.values():
-            writer.close()
-        self._writers.clear()
-        self._closed = True
+        try:
+            if not self._closed:
+                self.flush()
+        finally:
+            for writer in self._writers.values():
+                writer.close()
+            self._writers.clear()
+            self._closed = True
 
 
 @dataclass
@@ -431,7 +272,7 @@ class _Membership:
                     live.append(member)
                     continue
                 try:
-                    fd = _try_lock(path, create=False)
+                    fd = try_lock(path, create=False)
                 except FileNotFoundError:
                     continue  # it just left
                 if fd is None:
@@ -443,7 +284,7 @@ class _Membership:
                     os.close(fd)
             elif name.startswith(".tmp-") and time.time() - _mtime(path) > 60:
                 try:
-                    fd = _try_lock(path, create=False)
+                    fd = try_lock(path, create=False)
                 except FileNotFoundError:
                     continue
                 if fd is not None:
@@ -504,7 +345,7 @@ class LocalLogConsumer:
         for topic, partition in sorted(target - set(self._owned)):
             state_dir = self._group_dir / topic
             state_dir.mkdir(parents=True, exist_ok=True)
-            fd = _try_lock(state_dir / f"{partition}.owner")
+            fd = try_lock(state_dir / f"{partition}.owner")
             if fd is None:
                 continue  # the previous owner has not let go yet; retry at the next rebalance
             owned = _Owned(
@@ -629,13 +470,14 @@ class LocalLogConsumer:
                 position = state.ends[index]
                 del state.ends[: index + 1]
                 state.ends_base = offset + 1
-            _write_atomic(state.offset_path, json.dumps({"offset": offset + 1, "position": position}).encode())
+            write_atomic(state.offset_path, json.dumps({"offset": offset + 1, "position": position}).encode())
             state.committed = (offset + 1, position)
 
     def dead_letter(self, record: Record, reason: str) -> None:
         if self._dlq is None:
             self._dlq = LocalLogProducer(self._bus)
         self._dlq.send(dlq_topic(record.topic), record.key, record.value, dead_letter_headers(record, reason))
+        self._dlq.flush()
 
     def close(self) -> None:
         if self._closed:

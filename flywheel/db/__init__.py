@@ -2,6 +2,7 @@
 
 from flywheel.db.models import (
     NAMING_CONVENTION,
+    ApiKey,
     Base,
     Feedback,
     Generation,
@@ -27,6 +28,7 @@ from flywheel.db.session import (
 
 __all__ = [
     "NAMING_CONVENTION",
+    "ApiKey",
     "Base",
     "DatabaseUnavailable",
     "Feedback",

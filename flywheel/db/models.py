@@ -203,3 +203,23 @@ class Node(Base):
     status: Mapped[str] = mapped_column(String(32), default="serving")
     detail: Mapped[str] = mapped_column(Text, default="")
     last_heartbeat: Mapped[datetime]
+
+
+class ApiKey(Base):
+    """A tenant's (or an admin's) API key. Only the SHA-256 of the whole key is stored (flywheel/keys.py)."""
+
+    __tablename__ = "api_keys"
+
+    key_id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    tenant: Mapped[str] = mapped_column(String(128))
+    #: tenant | admin
+    role: Mapped[str] = mapped_column(String(16), default="tenant")
+    #: sha256 hex of the whole key ``fwk_<key_id>_<secret>``
+    key_sha256: Mapped[str] = mapped_column(String(64))
+    name: Mapped[str] = mapped_column(String(128), default="")
+    created_at: Mapped[datetime]
+    revoked_at: Mapped[datetime | None]
+    #: Requests per minute for this key; NULL: the gateway's ``rate_limit_rpm`` applies.
+    rate_limit_rpm: Mapped[int | None] = mapped_column(Integer)
+
+    __table_args__ = (Index("ix_api_keys_tenant", "tenant"),)

@@ -1,54 +1,66 @@
 """The gateway: an OpenAI-compatible proxy that captures every generation and accepts feedback.
 
-``create_app(settings, bus_producer, http_client)`` builds the app once with its clients injected.
+``create_app(settings)`` builds the app; its lifespan opens what it needs from ``settings`` (the
+write-ahead capture spool and its shipper to the bus, the database for API keys and ownership,
+the live state for sessions, rate limits and routing, the upstream HTTP client) and closes them
+in reverse order. ``producer_factory`` replaces the bus producer (tests inject a broken one).
 
 Invariants:
-- A generation is on the bus (durably) before its response is returned; if it cannot be recorded
-  the client gets a 503 and may retry: capture never loses an event it acknowledged.
+- A response that carries a generation is released only after its event is accepted by the capture
+  spool (written, fsynced or acknowledged by the bus, per ``gateway.capture_ack``): a gateway killed
+  right after answering still ships it at its next start. Feedback is acknowledged (202) the same way.
+  When the spool is full the configured policy applies (``drop``: serve and count the lost event;
+  ``reject``: 503 before the upstream is called).
 - A stream (``stream: true``, chat or text) is proxied chunk by chunk as the upstream sends it and
   recorded as exactly one event, once the upstream's last chunk has arrived and before the client
-  gets ``data: [DONE]``; ``[DONE]`` is the acknowledgement. A stream that breaks off (upstream
-  error event, dropped connection, missing ``[DONE]``, uncapturable chunk, bus refusal) ends with
-  an OpenAI error envelope as its last event, no ``[DONE]``, and nothing recorded. Errors found
-  before the first byte (bad input, upstream 4xx, unreachable upstream) are ordinary HTTP errors.
-- Streams send ``X-Flywheel-Session``, ``X-Flywheel-Generation`` and ``X-Flywheel-Model-Version``
-  with their headers: the version comes from the upstream's response header, or its first chunk.
-- Rejected requests (too large, malformed JSON, invalid fields) never reach the upstream or the
-  bus; they get a 4xx OpenAI envelope naming the offending field.
-- Feedback event ids derive from the tenant and the client's ``feedback_id``: a retried
-  submission is the same event, so downstream consumers count it once.
-- Every response carries ``X-Flywheel-Session`` (the client's or a generated one).
-
-Seams for later issues: :meth:`Gateway.tenant` (auth), :meth:`Gateway.route` (sticky sessions and
-canaries pick the upstream per session).
+  gets ``data: [DONE]``; ``[DONE]`` is the acknowledgement. A stream that breaks off ends with an
+  OpenAI error envelope as its last event, no ``[DONE]``, and nothing recorded.
+- Every request acts for one tenant: the owner of its API key (``gateway.auth = "on"``) or
+  ``gateway.default_tenant``. Sessions are scoped by tenant: the same session id sent by two tenants
+  names two sessions. Feedback may only target the caller's own generations and sessions; anything
+  else is a 404, the same answer as for an id that never existed.
+- A session keeps the model version it was first routed to (sticky, ``gateway.session_ttl_s`` after
+  its last request); new sessions follow the rollout (tenant pin, canary share, stable). If no node
+  holds the session's version any more, it moves to the current one and the move is counted.
+- Rejected requests (auth, rate limit, too large, malformed, invalid fields, unknown model) never
+  reach the upstream or the bus; they get a 4xx OpenAI envelope naming the offending field.
+- Keys, prompts and completions are never logged at INFO or above.
+- Admin routes need an admin key (auth on) or a loopback caller (auth off).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
-import httpx
+import aiohttp
+import orjson
 from fastapi import FastAPI, Request
-from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
-from pydantic import ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from flywheel.events import new_id
 from flywheel.settings import Settings
 from serving.errors import APIError, from_pydantic, install_error_handlers
 from serving.gateway import capture
+from serving.gateway.auth import KeyStore, Ownership, Principal, require_admin
+from serving.gateway.routing import Router, new_session_version
+from serving.gateway.shipper import Capture, CaptureFull, bus_producer_factory
+from serving.gateway.state import GatewayState, StateUnavailable, make_state
 from serving.protocol import (
     GENERATION_HEADER,
     MODEL_VERSION_HEADER,
     SESSION_HEADER,
     SSE_DONE,
+    ChatCompletionRequest,
+    CompletionRequest,
     FeedbackBatch,
     FeedbackItem,
     check_session_id,
@@ -61,27 +73,28 @@ from serving.protocol import (
 
 log = logging.getLogger(__name__)
 
+_LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
 
 class _Metrics:
-    def __init__(self) -> None:
-        self.registry = CollectorRegistry()
-        self.generations = Counter(
-            "flywheel_generations_captured", "Generations recorded on the bus", registry=self.registry
-        )
-        self.feedback = Counter("flywheel_feedback_captured", "Feedback events recorded on the bus", registry=self.registry)
-        self.rejected = Counter(
-            "flywheel_gateway_rejected", "Requests answered with an error", ["status"], registry=self.registry
-        )
-        self.capture_failures = Counter(
-            "flywheel_capture_failures", "Events the bus refused (answered 503)", registry=self.registry
-        )
-        self.upstream_latency = Histogram(
-            "flywheel_upstream_latency_seconds", "Upstream completion latency (whole stream for streams)",
-            registry=self.registry,
-        )
-        self.stream_errors = Counter(
-            "flywheel_stream_errors", "Streams that ended with an error event (nothing recorded)", registry=self.registry
-        )
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        self.generations = Counter("flywheel_generations_captured", "Generations accepted by the capture spool",
+                                   ["model_version"], registry=registry)
+        self.feedback = Counter("flywheel_feedback_captured", "Feedback events accepted by the capture spool",
+                                registry=registry)
+        self.rejected = Counter("flywheel_gateway_rejected", "Requests answered with an error", ["status"],
+                                registry=registry)
+        self.added = Histogram("flywheel_gateway_added_seconds",
+                               "Time a completion spent in the gateway itself (total minus upstream)",
+                               ["route"], buckets=_LATENCY_BUCKETS, registry=registry)
+        self.upstream = Histogram("flywheel_upstream_seconds", "Upstream completion time (whole stream for streams)",
+                                  ["model_version"], buckets=_LATENCY_BUCKETS, registry=registry)
+        self.stream_errors = Counter("flywheel_stream_errors", "Streams that ended with an error event (nothing recorded)",
+                                     registry=registry)
+        self.repinned = Counter("flywheel_sessions_repinned",
+                                "Sessions moved to another version because no node held theirs any more",
+                                registry=registry)
 
 
 @dataclass
@@ -91,147 +104,250 @@ class _Call:
     kind: capture.Kind
     body: dict[str, Any]  # the client's, recorded untouched
     request: capture.Request
-    tenant: str
+    principal: Principal
     session_id: str
-    generation_id: str
-    url: str
-    upstream_body: dict[str, Any]
+    version: int | None  # the session's pinned version (None: let the upstream choose)
+    path: str
+    upstream_body: bytes
+    generation_id: str = field(default_factory=new_id)
+    started: float = field(default_factory=time.perf_counter)
     headers: dict[str, str] = field(default_factory=dict)  # for the client
+
+    @property
+    def tenant(self) -> str:
+        return self.principal.tenant
 
 
 class _UpstreamStreamError(Exception):
     """The upstream sent an error event inside its stream."""
 
+
+class PinRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    version: int | None = Field(None, ge=0, le=2**31 - 1)
+
+
+_UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError)
+
+
 class Gateway:
-    """The serving class behind the routes; built once at start-up."""
+    """The serving class behind the routes; its clients are opened by :meth:`start`."""
 
-    def __init__(self, settings: Settings, bus_producer: Any, http_client: httpx.AsyncClient) -> None:
-        if settings.gateway.auth == "on":
-            # Tenant API keys arrive with the auth issue; refusing to start beats serving unauthenticated.
-            raise NotImplementedError("gateway.auth = 'on' is not implemented yet; use 'off'")
+    def __init__(self, settings: Settings, producer_factory: Callable[[], Any] | None = None) -> None:
         self.settings = settings
-        self.http = http_client
-        self.recorder = capture.Recorder(
-            bus_producer, settings.topic("generations"), settings.topic("feedback")
-        )
-        self.metrics = _Metrics()
-        self.upstream = (settings.gateway.upstream or f"http://{settings.node.host}:{settings.node.port}").rstrip("/")
+        self.metrics = _Metrics(CollectorRegistry())
+        self._producer_factory = producer_factory
+        self._cleanup = contextlib.AsyncExitStack()
+        self.capture: Capture
+        self.state: GatewayState
+        self.keys: KeyStore | None = None
+        self.ownership: Ownership
+        self.router: Router
+        self.http: aiohttp.ClientSession
+        self.timeout = aiohttp.ClientTimeout(total=settings.gateway.upstream_timeout_s)
 
-    # Seams -------------------------------------------------------------------------------------
+    # Lifecycle ---------------------------------------------------------------------------------
 
-    def tenant(self, request: Request) -> str:
-        """The tenant a request acts for (auth off: the default tenant)."""
-        return self.settings.gateway.default_tenant
+    async def start(self) -> None:
+        from flywheel.db.session import make_session_factory, open_database
+        from flywheel.live import make_live
 
-    def route(self, session_id: str) -> str:
-        """The upstream base URL serving this session (one upstream for now)."""
-        return self.upstream
+        settings = self.settings
+        stack = self._cleanup
+        # The shipper makes producers itself: a bus that is down does not stop the gateway serving.
+        producer_factory = self._producer_factory or bus_producer_factory(settings)
+        self.capture = Capture(settings, producer_factory, self.metrics.registry)
+        self.capture.start()
+        stack.callback(self.capture.close, settings.gateway.drain_timeout_s)
 
-    # Helpers -----------------------------------------------------------------------------------
+        db = await asyncio.to_thread(open_database, settings.database_url, settings.db.wait_s)
+        stack.callback(db.dispose)
+        sessions = make_session_factory(db)
+        self.state = make_state(settings)
+        stack.push_async_callback(self.state.close)
+        if settings.gateway.auth == "on":
+            self.keys = KeyStore(sessions, settings.gateway.key_cache_s)
+        self.ownership = Ownership(self.state, sessions, settings.gateway.ownership_ttl_s)
+        live = make_live(settings)
+        stack.callback(live.close)
+        self.router = Router(settings, sessions, live, self.state.get_pins)
+        stack.push_async_callback(self.router.close)
+        connector = aiohttp.TCPConnector(limit=512, limit_per_host=256, keepalive_timeout=30)
+        self.http = aiohttp.ClientSession(connector=connector, timeout=self.timeout, auto_decompress=True)
+        stack.push_async_callback(self.http.close)
 
-    async def read_json(self, request: Request) -> Any:
-        return await read_json_body(request, self.settings.gateway.max_body_bytes)
+    async def stop(self) -> None:
+        await self._cleanup.aclose()
 
-    def session_id(self, request: Request, explicit: str | None = None) -> str:
-        return check_session_id(explicit or request.headers.get(SESSION_HEADER) or uuid.uuid4().hex)
+    # Who is asking -----------------------------------------------------------------------------
 
-    async def record(self, events: list[Any]) -> None:
-        try:
-            await run_in_threadpool(self.recorder.send, events)
-        except Exception as exc:  # the bus is down or refused: the client must retry, nothing acknowledged
-            self.metrics.capture_failures.inc(len(events))
-            log.error("could not record %d event(s) on the bus: %s", len(events), exc)
-            raise APIError(
-                503, "the event bus is unavailable; the request was not recorded, retry later", code="capture_unavailable"
-            ) from exc
+    async def principal(self, request: Request) -> Principal:
+        if self.keys is None:
+            return Principal("-", self.settings.gateway.default_tenant, "tenant", None)
+        return await self.keys.authenticate(request.headers.get("authorization"))
 
-    # Endpoints ---------------------------------------------------------------------------------
+    async def admin(self, request: Request) -> None:
+        if self.keys is None:
+            host = request.client.host if request.client else ""
+            if host not in ("127.0.0.1", "::1", "localhost", "testclient"):
+                raise APIError(403, "admin routes answer loopback callers only while gateway.auth is off",
+                               code="admin_required")
+            return
+        require_admin(await self.keys.authenticate(request.headers.get("authorization")))
+
+    async def limit(self, principal: Principal) -> None:
+        rpm = principal.rate_limit_rpm if principal.rate_limit_rpm is not None else self.settings.gateway.rate_limit_rpm
+        if rpm <= 0:
+            return
+        retry = await self.state.admit(principal.key_id, rpm, self.settings.gateway.rate_limit_burst)
+        if retry is not None:
+            seconds = max(1, int(retry + 0.999))
+            raise APIError(429, f"rate limit of {rpm} requests per minute reached for this API key; "
+                           f"retry in {seconds} s", code="rate_limit_exceeded", headers={"Retry-After": str(seconds)})
+
+    # Completions -------------------------------------------------------------------------------
 
     async def chat_completions(self, request: Request) -> Response:
-        body = await self.read_json(request)
-        return await self.complete(request, body, parse_chat_request(body), "chat", "/v1/chat/completions")
+        return await self.complete(request, "chat", "/v1/chat/completions")
 
     async def completions(self, request: Request) -> Response:
-        body = await self.read_json(request)
-        return await self.complete(request, body, parse_completion_request(body), "text", "/v1/completions")
+        return await self.complete(request, "text", "/v1/completions")
 
-    async def complete(
-        self, request: Request, body: dict[str, Any], parsed: capture.Request, kind: capture.Kind, path: str
-    ) -> Response:
-        session_id = self.session_id(request)
-        call = _Call(
-            kind=kind,
-            body=body,
-            request=parsed,
-            tenant=self.tenant(request),
-            session_id=session_id,
-            generation_id=new_id(),
-            url=f"{self.route(session_id)}{path}",
-            upstream_body=capture.upstream_request(body, self.settings.model.line, kind),
-            headers={SESSION_HEADER: session_id},
-        )
+    async def complete(self, request: Request, kind: capture.Kind, path: str) -> Response:
+        started = time.perf_counter()
+        principal = await self.principal(request)
+        await self.limit(principal)
+        try:
+            self.capture.admit()
+        except CaptureFull as exc:
+            raise APIError(503, f"capture is unavailable ({exc}); the request was not served, retry later",
+                           code="capture_unavailable") from None
+        body = await read_json_body(request, self.settings.gateway.max_body_bytes)
+        parsed = parse_chat_request(body) if kind == "chat" else parse_completion_request(body)
+        self.check_model(parsed.model)
+        session_id = check_session_id(request.headers.get(SESSION_HEADER) or uuid.uuid4().hex)
+        version = await self.pin(principal.tenant, session_id)
+        try:
+            upstream_body = orjson.dumps(capture.upstream_request(body, self.settings.model.line, kind))
+        except TypeError as exc:  # e.g. an integer beyond 64 bits in a vendor field
+            raise APIError(400, f"request body cannot be forwarded: {exc}", code="invalid_value") from None
+        call = _Call(kind, body, parsed, principal, session_id, version, path, upstream_body, started=started,
+                     headers={SESSION_HEADER: session_id})
         if parsed.stream:
             return await self.stream(call)
+        return await self.complete_whole(call)
 
-        start = time.perf_counter()
-        try:
-            upstream = await self.http.post(
-                call.url,
-                json=call.upstream_body,
-                headers={SESSION_HEADER: session_id},
-                timeout=self.settings.gateway.upstream_timeout_s,
-            )
-        except httpx.HTTPError as exc:
-            raise _unreachable(call.url, exc) from exc
-        latency_ms = (time.perf_counter() - start) * 1000.0
-        self.metrics.upstream_latency.observe(latency_ms / 1000.0)
+    def check_model(self, model: str | None) -> None:
+        line = self.settings.model.line
+        if model is not None and model != line:
+            raise APIError(404, f"the model `{model}` does not exist; this gateway serves `{line}` (GET /v1/models)",
+                           param="model", code="model_not_found")
 
-        if upstream.status_code >= 400:
-            raise _upstream_error(upstream, call.headers)
+    async def pin(self, tenant: str, session_id: str) -> int | None:
+        """The session's version: its sticky one, or the rollout's choice for a new session."""
+        # pin_session keeps a concrete pin that exists (first writer wins) and refreshes its TTL.
+        proposal = new_session_version(await self.router.table(), tenant, session_id)
+        return await self.state.pin_session(tenant, session_id, proposal, self.settings.gateway.session_ttl_s)
+
+    async def repin(self, call: _Call) -> bool:
+        """After a node said it no longer holds the session's version: move the session to the
+        rollout's current choice. False if that is the same version (nothing to retry)."""
+        proposal = new_session_version(await self.router.table(), call.tenant, call.session_id)
+        if proposal is None or proposal == call.version:
+            return False
+        await self.state.set_session_version(call.tenant, call.session_id, proposal, self.settings.gateway.session_ttl_s)
+        log.warning("session moved from version %s to %s: no node holds %s any more", call.version, proposal, call.version)
+        self.metrics.repinned.inc()
+        call.version = proposal
+        return True
+
+    def upstream_headers(self, call: _Call) -> dict[str, str]:
+        headers = {SESSION_HEADER: call.session_id, "content-type": "application/json"}
+        if call.version is not None:
+            headers[MODEL_VERSION_HEADER] = str(call.version)
+        return headers
+
+    async def post(self, call: _Call) -> aiohttp.ClientResponse:
+        """Send the call upstream (once more on another version if the node dropped the session's)."""
+        for attempt in (0, 1):
+            url = f"{self.router.upstream_for(call.version)}{call.path}"
+            try:
+                response = await self.http.post(url, data=call.upstream_body, headers=self.upstream_headers(call))
+            except _UPSTREAM_ERRORS as exc:
+                raise APIError(502, f"upstream {url} failed: {type(exc).__name__}", code="upstream_unreachable") from None
+            if response.status == 409 and attempt == 0:
+                if _error_code(await response.read()) == "version_unavailable" and await self.repin(call):
+                    response.release()
+                    continue
+            return response
+        raise AssertionError("unreachable")
+
+    async def complete_whole(self, call: _Call) -> Response:
+        upstream_start = time.perf_counter()
+        response = await self.post(call)
         try:
-            response_body = upstream.json()
+            raw = await response.read()
+        except _UPSTREAM_ERRORS as exc:
+            raise APIError(502, f"upstream response broke off: {type(exc).__name__}", code="upstream_error") from None
+        finally:
+            response.release()
+        upstream_s = time.perf_counter() - upstream_start
+        if response.status >= 400:
+            raise _upstream_error(response.status, raw, call.headers)
+        try:
+            response_body = orjson.loads(raw)
             if not isinstance(response_body, dict):
                 raise ValueError("not a JSON object")
-            served = capture.extract_served(response_body, upstream.headers, kind)
+            served = capture.extract_served(response_body, response.headers, call.kind)
         except (ValueError, capture.CaptureError) as exc:
             raise _uncapturable(exc, call.headers) from None
-
-        await self.record([self.event(call, response_body, served, latency_ms)])
-        self.metrics.generations.inc()
+        await self.record_generation(call, response_body, served, upstream_s)
         headers = {**call.headers, GENERATION_HEADER: call.generation_id, MODEL_VERSION_HEADER: str(served.model_version)}
-        return JSONResponse(capture.client_response(response_body, parsed), headers=headers)
+        out = Response(orjson.dumps(capture.client_response(response_body, call.request)),
+                       media_type="application/json", headers=headers)
+        self.metrics.added.labels(call.kind).observe(max(0.0, time.perf_counter() - call.started - upstream_s))
+        return out
 
-    def event(self, call: _Call, response_body: dict[str, Any], served: capture.Served, latency_ms: float) -> Any:
+    async def record_generation(self, call: _Call, response_body: dict[str, Any], served: capture.Served,
+                                upstream_s: float) -> None:
         try:
-            return capture.generation_event(
-                generation_id=call.generation_id,
-                tenant=call.tenant,
-                session_id=call.session_id,
-                model_line=self.settings.model.line,
-                request_body=call.body,
-                request=call.request,
-                response_body=response_body,
-                served=served,
-                latency_ms=latency_ms,
+            event = capture.generation_event(
+                generation_id=call.generation_id, tenant=call.tenant, session_id=call.session_id,
+                model_line=self.settings.model.line, request_body=call.body, request=call.request,
+                response_body=response_body, served=served, latency_ms=upstream_s * 1000.0,
             )
         except ValidationError as exc:  # e.g. non-finite logprobs: never a partial or lossy event
             raise _uncapturable(exc, call.headers) from None
+        version = str(served.model_version)
+        self.metrics.upstream.labels(version).observe(upstream_s)
+        if call.version is None:  # nothing to follow yet: the session stays on what served it
+            await self.state.pin_session(call.tenant, call.session_id, served.model_version,
+                                         self.settings.gateway.session_ttl_s)
+        accepted, _ = await asyncio.gather(
+            self.submit([event], call.headers),
+            self.state.record_generation(call.generation_id, call.tenant, call.session_id,
+                                         self.settings.gateway.ownership_ttl_s),
+        )
+        if accepted:
+            self.metrics.generations.labels(version).inc()
+
+    async def submit(self, events: list[Any], headers: dict[str, str]) -> bool:
+        """True once the spool accepted ``events``; False if the drop policy dropped them (counted
+        by the capture); a 503 under the reject policy."""
+        items = [(self.settings.topic(type(e).topic), e.session_id, e.to_bytes(),
+                  {"event_type": type(e).__name__, "event_id": e.event_id}) for e in events]
+        try:
+            return await self.capture.submit(items)
+        except CaptureFull as exc:
+            raise APIError(503, f"capture is unavailable ({exc}); nothing was recorded, retry later",
+                           code="capture_unavailable", headers=headers) from None
+
+    # Streams -----------------------------------------------------------------------------------
 
     async def stream(self, call: _Call) -> Response:
         """Proxy an upstream event stream; see the module docstring for what is recorded when."""
-        start = time.perf_counter()
-        upstream_request = self.http.build_request(
-            "POST",
-            call.url,
-            json=call.upstream_body,
-            headers={SESSION_HEADER: call.session_id},
-            timeout=self.settings.gateway.upstream_timeout_s,
-        )
-        try:
-            upstream = await self.http.send(upstream_request, stream=True)
-        except httpx.HTTPError as exc:
-            raise _unreachable(call.url, exc) from exc
-
+        upstream_start = time.perf_counter()
+        upstream = await self.post(call)
         assembler = capture.StreamAssembler(call.kind, upstream.headers)
 
         def relay(data: str) -> bytes | None:
@@ -239,22 +355,21 @@ class Gateway:
             try:
                 chunk = json.loads(data)
             except ValueError:
-                raise capture.CaptureError(f"upstream stream event is not JSON: {data[:200]!r}") from None
+                raise capture.CaptureError("upstream stream event is not JSON") from None
             if isinstance(chunk, dict) and chunk.get("error") is not None:
                 raise _UpstreamStreamError(chunk["error"])
             assembler.feed(chunk)
             out = capture.client_chunk(chunk, call.request)
             return None if out is None else sse_event(out)
 
-        events = sse_data(upstream.aiter_lines())
+        events = sse_data(_lines(upstream))
         first: bytes | None = None
         try:
-            if upstream.status_code >= 400:
-                await upstream.aread()
-                raise _upstream_error(upstream, call.headers)
+            if upstream.status >= 400:
+                raise _upstream_error(upstream.status, await upstream.read(), call.headers)
             content_type = upstream.headers.get("content-type", "")
             if not content_type.startswith("text/event-stream"):
-                raise APIError(502, f"upstream answered a stream request with content-type {content_type!r}, "
+                raise APIError(502, f"upstream answered a stream request with content-type {content_type[:80]!r}, "
                                "not text/event-stream", code="bad_upstream_response", headers=call.headers)
             if assembler.version is None:  # no version header: the first chunk must name it
                 data = await anext(events, "[DONE]")
@@ -266,17 +381,17 @@ class Gateway:
                     raise capture.CaptureError(
                         f"upstream names no model version (header {MODEL_VERSION_HEADER} or field model_version)")
         except capture.CaptureError as exc:
-            await upstream.aclose()
+            upstream.release()
             raise _uncapturable(exc, call.headers) from None
         except _UpstreamStreamError as exc:
-            await upstream.aclose()
+            upstream.release()
             raise _stream_failure(exc, call.headers) from None
-        except httpx.HTTPError as exc:
-            await upstream.aclose()
-            raise APIError(502, f"upstream stream broke off: {type(exc).__name__}: {exc}", code="upstream_error",
-                           headers=call.headers) from exc
+        except _UPSTREAM_ERRORS as exc:
+            upstream.release()
+            raise APIError(502, f"upstream stream broke off: {type(exc).__name__}", code="upstream_error",
+                           headers=call.headers) from None
         except BaseException:
-            await upstream.aclose()
+            upstream.release()
             raise
 
         async def body() -> AsyncIterator[bytes]:
@@ -291,20 +406,16 @@ class Gateway:
                         yield out
                 else:
                     raise APIError(502, "upstream stream ended before data: [DONE]", code="upstream_error")
-                latency_ms = (time.perf_counter() - start) * 1000.0
-                self.metrics.upstream_latency.observe(latency_ms / 1000.0)
                 response_body, served = assembler.finish()
-                await self.record([self.event(call, response_body, served, latency_ms)])
-                self.metrics.generations.inc()
+                await self.record_generation(call, response_body, served, time.perf_counter() - upstream_start)
                 yield SSE_DONE
-            except (APIError, capture.CaptureError, _UpstreamStreamError, httpx.HTTPError) as exc:
+            except (APIError, capture.CaptureError, _UpstreamStreamError, *_UPSTREAM_ERRORS) as exc:
                 error = _stream_failure(exc, {})
                 self.metrics.stream_errors.inc()
-                log.warning("stream %s for session %s failed, nothing recorded: %s",
-                            call.generation_id, call.session_id, error.message)
+                log.warning("stream %s failed, nothing recorded: %s", call.generation_id, error.code or error.type)
                 yield error.sse()
             finally:
-                await upstream.aclose()
+                upstream.release()
 
         headers = {
             **call.headers,
@@ -314,8 +425,12 @@ class Gateway:
         }
         return StreamingResponse(body(), media_type="text/event-stream", headers=headers)
 
+    # Feedback ----------------------------------------------------------------------------------
+
     async def feedback(self, request: Request) -> JSONResponse:
-        body = await self.read_json(request)
+        principal = await self.principal(request)
+        await self.limit(principal)
+        body = await read_json_body(request, self.settings.gateway.max_body_bytes)
         if not isinstance(body, dict):
             raise APIError(400, "request body must be a JSON object (one feedback item or {\"feedback\": [...]})")
         batch = "feedback" in body
@@ -324,7 +439,7 @@ class Gateway:
         except ValidationError as exc:
             raise from_pydantic(exc) from None
 
-        tenant = self.tenant(request)
+        tenant = principal.tenant
         header_session = request.headers.get(SESSION_HEADER)
         events = []
         for i, item in enumerate(items):
@@ -333,32 +448,66 @@ class Gateway:
             if problem:
                 raise APIError(400, problem, param=f"{prefix}signal", code="invalid_value")
             session_id = item.session_id or header_session
-            if not session_id:
+            if item.generation_id is not None:
+                session_id = await self.ownership.check_generation(
+                    tenant, item.generation_id, session_id, param=f"{prefix}generation_id")
+            elif not session_id:
                 raise APIError(
                     400,
-                    f"feedback needs a session: set {prefix}session_id or the {SESSION_HEADER} header",
+                    f"feedback needs a target: set {prefix}generation_id, {prefix}session_id or the {SESSION_HEADER} header",
                     param=f"{prefix}session_id",
                     code="missing_required_parameter",
                 )
-            events.append(capture.feedback_event(item, tenant=tenant, session_id=self.session_id(request, session_id)))
+            else:
+                session_id = check_session_id(session_id)
+                await self.ownership.check_session(tenant, session_id, param=f"{prefix}session_id")
+            events.append(capture.feedback_event(item, tenant=tenant, session_id=session_id))
 
-        await self.record(events)
-        self.metrics.feedback.inc(len(events))
+        if await self.submit(events, {}):
+            self.metrics.feedback.inc(len(events))
         headers = {SESSION_HEADER: events[0].session_id} if len(events) == 1 else {}
         return JSONResponse(
             {"accepted": len(events), "event_ids": [e.event_id for e in events]}, status_code=202, headers=headers
         )
 
+    # Models ------------------------------------------------------------------------------------
 
-def _unreachable(url: str, exc: httpx.HTTPError) -> APIError:
-    return APIError(502, f"upstream {url} failed: {type(exc).__name__}: {exc}", code="upstream_unreachable")
+    async def models(self, request: Request) -> JSONResponse:
+        await self.principal(request)
+        await self.router.table()
+        live = self.router.live_versions()
+        line = self.settings.model.line
+        return JSONResponse({"object": "list", "data": [
+            {"id": line, "object": "model", "created": 0, "owned_by": "flywheel", "flywheel": live},
+        ]})
+
+
+async def _lines(response: aiohttp.ClientResponse) -> AsyncIterator[str]:
+    """The lines of a response body without their line endings; no line-length limit (a chunk may
+    carry a long prompt's token ids)."""
+    pending = b""
+    async for data in response.content.iter_any():
+        pending += data
+        *whole, pending = pending.split(b"\n")
+        for line in whole:
+            yield line.rstrip(b"\r").decode("utf-8", errors="replace")
+    if pending:
+        yield pending.rstrip(b"\r").decode("utf-8", errors="replace")
+
+
+def _error_code(raw: bytes) -> str | None:
+    try:
+        err = json.loads(raw).get("error")
+    except (ValueError, AttributeError):
+        return None
+    return err.get("code") if isinstance(err, dict) else None
 
 
 def _uncapturable(exc: Exception, headers: dict[str, str]) -> APIError:
     return APIError(502, f"upstream response cannot be captured: {exc}", code="bad_upstream_response", headers=headers)
 
 
-def _stream_failure(exc: Exception, headers: dict[str, str]) -> APIError:
+def _stream_failure(exc: BaseException, headers: dict[str, str]) -> APIError:
     """The envelope a stream that broke off ends with."""
     if isinstance(exc, APIError):
         return exc
@@ -370,85 +519,145 @@ def _stream_failure(exc: Exception, headers: dict[str, str]) -> APIError:
         code = err.get("code") if isinstance(err, dict) else None
         return APIError(502, f"upstream failed mid-stream: {message or err!r}",
                         code=code if isinstance(code, str) else "upstream_error", headers=headers)
-    return APIError(502, f"upstream stream broke off: {type(exc).__name__}: {exc}", code="upstream_error",
-                    headers=headers)
+    return APIError(502, f"upstream stream broke off: {type(exc).__name__}", code="upstream_error", headers=headers)
 
 
-def _upstream_error(upstream: httpx.Response, headers: dict[str, str]) -> APIError:
+def _upstream_error(status: int, raw: bytes, headers: dict[str, str]) -> APIError:
     """Upstream 4xx pass through (their envelope kept); anything else is a 502."""
     try:
-        err = upstream.json().get("error")
+        err = json.loads(raw).get("error")
     except (ValueError, AttributeError):
         err = None
-    message = (err or {}).get("message") if isinstance(err, dict) else None
-    message = message or upstream.text[:500] or f"HTTP {upstream.status_code}"
-    if 400 <= upstream.status_code < 500:
-        return APIError(
-            upstream.status_code,
-            message,
-            param=err.get("param") if isinstance(err, dict) else None,
-            code=err.get("code") if isinstance(err, dict) else None,
-            type=err.get("type") if isinstance(err, dict) and err.get("type") else None,
-            headers=headers,
-        )
-    return APIError(502, f"upstream returned HTTP {upstream.status_code}: {message}", code="upstream_error", headers=headers)
+    err = err if isinstance(err, dict) else {}
+    message = err.get("message") or raw[:500].decode("utf-8", errors="replace") or f"HTTP {status}"
+    if 400 <= status < 500:
+        return APIError(status, message, param=err.get("param"), code=err.get("code"),
+                        type=err.get("type") or None, headers=headers)
+    return APIError(502, f"upstream returned HTTP {status}: {message}", code="upstream_error", headers=headers)
 
 
-def create_app(settings: Settings, bus_producer: Any, http_client: httpx.AsyncClient) -> FastAPI:
-    """The gateway app. It owns ``http_client`` from now on: the client is closed at shutdown, inside
-    the event loop that used it. ``bus_producer`` stays the caller's to flush and close."""
-    gateway = Gateway(settings, bus_producer, http_client)
+class _SessionEcho:
+    """ASGI middleware: every response names the client's session (errors included), and error
+    responses are counted by status. Pure ASGI: a BaseHTTPMiddleware costs more than the gateway."""
+
+    def __init__(self, app: Any, metrics: _Metrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        session = next((v for k, v in scope["headers"] if k == b"x-flywheel-session"), None)
+
+        async def send_with_session(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                if status >= 400:
+                    self.metrics.rejected.labels(str(status)).inc()
+                headers = message.get("headers") or []
+                if session is not None and not any(k.lower() == b"x-flywheel-session" for k, _ in headers):
+                    message = {**message, "headers": [*headers, (b"x-flywheel-session", session)]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_session)
+
+
+def create_app(settings: Settings, *, producer_factory: Callable[[], Any] | None = None) -> FastAPI:
+    """The gateway app; see the module docstring for what its lifespan opens and closes."""
+    gateway = Gateway(settings, producer_factory)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         try:
+            await gateway.start()
             yield
         finally:
-            await http_client.aclose()
+            await gateway.stop()
 
     app = FastAPI(title="flywheel gateway", docs_url=None, redoc_url=None, lifespan=lifespan)
     app.state.gateway = gateway
     install_error_handlers(app)
 
-    @app.middleware("http")
-    async def _echo_session_and_count_errors(request: Request, call_next):  # type: ignore[no-untyped-def]
-        response = await call_next(request)
-        session = request.headers.get(SESSION_HEADER)
-        if session and SESSION_HEADER not in response.headers:
-            response.headers[SESSION_HEADER] = session
-        if response.status_code >= 400:
-            gateway.metrics.rejected.labels(status=str(response.status_code)).inc()
-        return response
+    @app.exception_handler(StateUnavailable)
+    async def _state_unavailable(_: Request, exc: StateUnavailable) -> JSONResponse:
+        log.error("gateway state unavailable: %s", type(exc.__cause__ or exc).__name__)
+        return APIError(503, "session and rate-limit state is unavailable right now; retry shortly",
+                        code="state_unavailable").response()
+    app.add_middleware(_SessionEcho, metrics=gateway.metrics)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=_body_schema(ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
         return await gateway.chat_completions(request)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=_body_schema(CompletionRequest))
     async def completions(request: Request) -> Response:
         return await gateway.completions(request)
 
-    @app.post("/v1/feedback", status_code=202)
+    @app.post("/v1/feedback", status_code=202, openapi_extra=_body_schema(FeedbackItem))
     async def feedback(request: Request) -> JSONResponse:
         return await gateway.feedback(request)
 
     @app.get("/v1/models")
-    async def models() -> JSONResponse:
-        url = f"{gateway.upstream}/v1/models"
-        try:
-            upstream = await gateway.http.get(url, timeout=settings.gateway.upstream_timeout_s)
-        except httpx.HTTPError as exc:
-            raise _unreachable(url, exc) from exc
-        if upstream.status_code >= 400:
-            raise _upstream_error(upstream, {})
-        return JSONResponse(upstream.json())
+    async def models(request: Request) -> JSONResponse:
+        return await gateway.models(request)
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
-        return {"status": "ok", "upstream": gateway.upstream, "model_line": settings.model.line}
+        return {"status": "ok", "model_line": settings.model.line, "capture": gateway.capture.depth()}
 
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(generate_latest(gateway.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    @app.get("/admin/capture")
+    async def admin_capture(request: Request) -> dict[str, Any]:
+        await gateway.admin(request)
+        return gateway.capture.depth()
+
+    @app.get("/admin/pins")
+    async def admin_pins(request: Request) -> dict[str, Any]:
+        await gateway.admin(request)
+        return {"pins": await gateway.state.get_pins()}
+
+    @app.put("/admin/pins/{tenant}", openapi_extra=_body_schema(PinRequest))
+    async def admin_set_pin(tenant: str, request: Request) -> dict[str, Any]:
+        await gateway.admin(request)
+        body = await read_json_body(request, 4096)
+        try:
+            pin = PinRequest.model_validate(body)
+        except ValidationError as exc:
+            raise from_pydantic(exc) from None
+        if pin.version is not None and not await gateway.router.registered(pin.version):
+            raise APIError(404, f"version {pin.version} of {settings.model.line} is not in the registry",
+                           param="version", code="version_not_found")
+        await gateway.state.set_pin(tenant, pin.version)
+        await gateway.router.refresh()
+        held = pin.version is None or any(pin.version in n["versions"] for n in gateway.router.live_versions()["nodes"])
+        return {"tenant": tenant, "version": pin.version, "served": held}
+
+    openapi = app.openapi
+
+    def openapi_with_bodies() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = openapi()
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            for model in _BODIES:
+                components.update(model.model_json_schema(ref_template=_REF).get("$defs", {}))
+        return app.openapi_schema
+
+    app.openapi = openapi_with_bodies  # type: ignore[method-assign]
     return app
+
+
+_REF = "#/components/schemas/{model}"
+_BODIES: list[type[BaseModel]] = []
+
+
+def _body_schema(model: type[BaseModel]) -> dict[str, Any]:
+    """The OpenAPI request body of a route that parses its own body, so the schema (and schema
+    fuzzers) know what it accepts; the models it refers to are added to the components."""
+    if model not in _BODIES:
+        _BODIES.append(model)
+    schema = model.model_json_schema(ref_template=_REF)
+    schema.pop("$defs", None)
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}

@@ -1,5 +1,5 @@
-"""What the gateway records: upstream responses and feedback turned into wire events (pure), and
-the one adapter that appends them to the bus.
+"""What the gateway records: upstream responses and feedback turned into wire events (pure). The
+events are handed to the capture spool (``serving/gateway/shipper.py``), which ships them to the bus.
 
 Invariants:
 - A GenerationEvent carries the token ids and per-token logprobs exactly as the upstream engine
@@ -10,7 +10,6 @@ Invariants:
 - A stream is captured whole or not at all: :class:`StreamAssembler` folds the upstream's chunks
   into the body a non-streaming call would have returned, and only a stream that reached its end
   yields a :class:`Served`; the event then has the same shape as a non-streaming one.
-- :meth:`Recorder.send` returns only once the bus has the record durably; it raises otherwise.
 
 Kinds: ``"chat"`` (``/v1/chat/completions``: logprobs in ``choices[0].logprobs.content``,
 ``prompt_token_ids`` top-level) and ``"text"`` (``/v1/completions``: logprobs in
@@ -20,8 +19,6 @@ either place is accepted for the prompt ids.
 
 from __future__ import annotations
 
-import copy
-import threading
 from dataclasses import dataclass
 from typing import Any, Literal, Mapping
 
@@ -167,10 +164,16 @@ def generation_event(
 
 def upstream_request(body: dict[str, Any], default_model: str, kind: Kind = "chat") -> dict[str, Any]:
     """The client's body with everything capture needs forced on: the sampled tokens' logprobs,
-    prompt and completion token ids, and for a stream the final usage chunk."""
+    prompt and completion token ids, explicit temperature and top-p, and for a stream the final
+    usage chunk."""
     out = dict(body)
     if out.get("model") is None:
         out["model"] = default_model
+    # Explicit, so the engine cannot substitute its own defaults (vLLM applies a model's
+    # generation_config otherwise) and the recorded sampling parameters are the ones used.
+    for name in ("temperature", "top_p"):
+        if out.get(name) is None:
+            out[name] = 1.0
     if kind == "chat":
         out["logprobs"] = True
     elif not isinstance(out.get("logprobs"), int):
@@ -196,7 +199,7 @@ def _strip_choice(choice: Any, request: Request) -> Any:
 
 def client_response(body: dict[str, Any], request: Request) -> dict[str, Any]:
     """The upstream response minus what only capture asked for."""
-    out = copy.deepcopy(body)
+    out = dict(body)  # shallow: only top-level keys and choices are replaced, never mutated in place
     if not request.return_token_ids:
         out.pop("prompt_token_ids", None)
     if isinstance(out.get("choices"), list):
@@ -369,28 +372,3 @@ def feedback_event(item: FeedbackItem, *, tenant: str, session_id: str) -> Feedb
         comment=item.comment,
         data=item.data,
     )
-
-
-class Recorder:
-    """Appends events to their bus topics, keyed by session id, durably.
-
-    A lock serialises sends: a producer is not assumed to be thread-safe, and sends are called
-    from the server's worker threads.
-    """
-
-    def __init__(self, producer: Any, generations_topic: str, feedback_topic: str) -> None:
-        self._producer = producer
-        self._topics = {"generations": generations_topic, "feedback": feedback_topic}
-        self._lock = threading.Lock()
-
-    def send(self, events: list[GenerationEvent] | list[FeedbackEvent]) -> None:
-        with self._lock:
-            for event in events:
-                topic = self._topics[type(event).topic]
-                self._producer.send(
-                    topic,
-                    event.session_id,
-                    event.to_bytes(),
-                    {"event_type": type(event).__name__, "event_id": event.event_id},
-                )
-            self._producer.flush()

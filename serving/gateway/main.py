@@ -1,36 +1,39 @@
-"""Entry point of the gateway role: build the bus producer and HTTP client, serve until stopped.
+"""Entry point of the gateway role: build the app, serve until SIGTERM/SIGINT (or ``stop``), drain.
 
-Invariant: the producer is flushed and closed however serving ends (the app closes its HTTP client).
+Shutdown order (SIGTERM): uvicorn stops accepting connections, closes idle keep-alive ones and lets
+in-flight requests finish (streams included) for up to ``gateway.drain_timeout_s``; then the app's lifespan closes the capture, which
+ships what the bus takes within ``gateway.drain_timeout_s`` and ``fsync``s the rest of the spool
+for the next start (``serving/gateway/shipper.py``). No response is released without its event in
+the spool, so nothing a client received is lost however shutdown goes, kill -9 included.
+
+The bus producer is made by the capture's shipper thread, not here: a bus that is down at start-up
+does not stop the gateway from serving (events wait in the spool).
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 import threading
-
-import httpx
 
 from flywheel.settings import Settings
 from serving.server import serve
 
 log = logging.getLogger(__name__)
 
+SWITCH_INTERVAL_S = 0.0005
+
 
 def run(settings: Settings, stop: threading.Event | None = None) -> None:
     """Serve the gateway on ``settings.gateway.host:port`` until ``stop`` is set (or SIGINT/SIGTERM)."""
-    from flywheel.bus import make_bus
     from serving.gateway.app import create_app
 
-    bus = make_bus(settings)
-    bus.ensure_topics([settings.topic("generations"), settings.topic("feedback")])
-    producer = bus.producer()
-    limits = httpx.Limits(max_connections=256, max_keepalive_connections=64)
-    http_client = httpx.AsyncClient(limits=limits, timeout=settings.gateway.upstream_timeout_s)
-    try:
-        app = create_app(settings, producer, http_client)  # closes http_client at shutdown
-        log.info("gateway on %s:%d -> %s", settings.gateway.host, settings.gateway.port, app.state.gateway.upstream)
-        serve(app, host=settings.gateway.host, port=settings.gateway.port, stop=stop, log_level=settings.log_level)
-    finally:
-        producer.flush()
-        producer.close()
-        bus.close()
+    # The spool's shipper and fsync threads share the GIL with the event loop; at the default 5 ms
+    # switch interval a request whose syscall released the GIL can wait that long to get it back.
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
+    app = create_app(settings)
+    gateway = settings.gateway
+    log.info("gateway %s on %s:%d -> %s", gateway.gateway_id, gateway.host, gateway.port,
+             gateway.upstream or "the fleet's nodes")
+    serve(app, host=gateway.host, port=gateway.port, stop=stop, log_level=settings.log_level,
+          graceful_timeout_s=gateway.drain_timeout_s)

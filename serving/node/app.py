@@ -12,6 +12,10 @@ Response contract (OpenAI plus vLLM-style extras):
   ``choices[0].token_ids`` and ``choices[0].prompt_token_ids`` when ``return_token_ids``.
 - ``model_version`` always (every streamed chunk too), and the headers ``X-Flywheel-Model-Version``
   and ``X-Flywheel-Node``.
+- Versions (sticky sessions): the node holds its last ``node.keep_versions`` versions. A request
+  with the header ``X-Flywheel-Model-Version: N`` is served by version N, or answered 409
+  ``version_unavailable`` naming the versions held; without it, by the live version.
+  ``/health`` and ``/v1/models`` list the versions held.
 - ``stream: true``: Server-Sent Events (:mod:`serving.protocol`). Chat: a first chunk with
   ``delta.role`` (and top-level ``prompt_token_ids``), one chunk per token with its text delta and,
   as asked, its logprob entry and ``token_ids: [id]``, a last chunk with an empty delta and
@@ -24,10 +28,11 @@ Response contract (OpenAI plus vLLM-style extras):
   ends inside a multi-byte character or a merge carries "" and a later one the rest).
 
 Invariants: the version reported is the one whose weights sampled the tokens (taken from the
-engine's completion, not read separately); unsupported options (``n > 1``, ``top_logprobs > 0``,
-legacy ``logprobs > 0``, ``echo``, ``suffix``) are a 400, never silently ignored; every error a
-request can meet (bad input, context overflow, engine not ready) is answered before a stream
-starts. ``stop`` is accepted and ignored (generation stops at eos or the token budget).
+engine's completion, not read separately), and the one the request named, if it named one;
+unsupported options (``n > 1``, ``top_logprobs > 0``, legacy ``logprobs > 0``, ``echo``,
+``suffix``) are a 400, never silently ignored; every error a request can meet (bad input, context
+overflow, engine not ready, version not held) is answered before a stream starts. ``stop`` is
+accepted and ignored (generation stops at eos or the token budget).
 
 Admin surface: ``POST /admin/update_weights`` only answers loopback clients — settings have no
 admin credential yet; a later issue replaces this check with one.
@@ -49,7 +54,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from flywheel.settings import Settings
 from serving.errors import APIError, from_pydantic, install_error_handlers
-from serving.node.engine import Completion, Engine, EngineNotReady, GenerationRequest
+from serving.node.engine import Completion, Engine, EngineNotReady, GenerationRequest, VersionUnavailable
 from serving.protocol import (
     MODEL_VERSION_HEADER,
     NODE_HEADER,
@@ -258,6 +263,21 @@ def stream_response(chunks: Iterator[dict[str, Any]], headers: dict[str, str]) -
     return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache", **headers})
 
 
+def requested_version(request: Request) -> int | None:
+    """The version a request names in ``X-Flywheel-Model-Version``, or None."""
+    raw = request.headers.get(MODEL_VERSION_HEADER)
+    if raw is None or not raw.strip():
+        return None
+    try:
+        version = int(raw.strip())
+    except ValueError:
+        version = -1
+    if version < 0:
+        raise APIError(400, f"header {MODEL_VERSION_HEADER} must be a model version (an integer >= 0), "
+                       f"got {raw[:40]!r}", param=MODEL_VERSION_HEADER, code="invalid_value")
+    return version
+
+
 def create_app(engine: Engine, updater: Any = None, settings: Settings | None = None) -> FastAPI:
     settings = settings or engine.settings
     model_name = settings.model.line
@@ -274,7 +294,7 @@ def create_app(engine: Engine, updater: Any = None, settings: Settings | None = 
                            param="model", code="model_not_found")
 
     async def generate(
-        req: ChatCompletionRequest | CompletionRequest, prompt_ids: list[int], prompt_param: str
+        request: Request, req: ChatCompletionRequest | CompletionRequest, prompt_ids: list[int], prompt_param: str
     ) -> Completion:
         if not prompt_ids:
             raise APIError(400, f"the {prompt_param} encode to an empty prompt", param=prompt_param)
@@ -293,11 +313,15 @@ def create_app(engine: Engine, updater: Any = None, settings: Settings | None = 
             temperature=1.0 if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p,
             seed=req.seed,
+            version=requested_version(request),
         )
         try:
             return await asyncio.wrap_future(engine.submit(gen))
         except EngineNotReady as exc:
             raise APIError(503, str(exc), code="not_ready") from None
+        except VersionUnavailable as exc:
+            raise APIError(409, f"{exc}; start a new session or ask for one of those",
+                           param=MODEL_VERSION_HEADER, code="version_unavailable") from None
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -309,7 +333,7 @@ def create_app(engine: Engine, updater: Any = None, settings: Settings | None = 
             prompt_ids = engine.prompt_ids(chat.plain_messages())
         except TemplateError as exc:
             raise APIError(400, f"the model's chat template rejects these messages: {exc}", param="messages") from None
-        completion = await generate(chat, prompt_ids, "messages")
+        completion = await generate(request, chat, prompt_ids, "messages")
         headers = {MODEL_VERSION_HEADER: str(completion.version), NODE_HEADER: node_id}
         if chat.stream:
             return stream_response(chat_chunks(engine, chat, model_name, prompt_ids, completion), headers)
@@ -330,7 +354,7 @@ def create_app(engine: Engine, updater: Any = None, settings: Settings | None = 
             if bad is not None:
                 raise APIError(400, f"prompt token id {bad} is outside the vocabulary (0..{vocab - 1})", param="prompt")
             prompt_ids = list(req.prompt)  # type: ignore[arg-type]
-        completion = await generate(req, prompt_ids, "prompt")
+        completion = await generate(request, req, prompt_ids, "prompt")
         headers = {MODEL_VERSION_HEADER: str(completion.version), NODE_HEADER: node_id}
         if req.stream:
             return stream_response(text_completion_chunks(engine, req, model_name, prompt_ids, completion), headers)
@@ -341,7 +365,8 @@ def create_app(engine: Engine, updater: Any = None, settings: Settings | None = 
         version, _ = engine.current()
         return {
             "object": "list",
-            "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "flywheel", "model_version": version}],
+            "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "flywheel",
+                      "model_version": version, "versions": engine.versions()}],
         }
 
     @app.get("/health")
@@ -353,6 +378,7 @@ def create_app(engine: Engine, updater: Any = None, settings: Settings | None = 
             "model_line": model_name,
             "version": version,
             "sha256": sha,
+            "versions": engine.versions(),
             "engine": {"requests": engine.requests, "batches": engine.batches},
         }
         if updater is not None:

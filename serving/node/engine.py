@@ -1,25 +1,43 @@
-"""The built-in inference engine: one model, micro-batched generation, hot weight swaps.
+"""The built-in inference engine: the last few model versions, micro-batched generation, hot swaps.
 
 ``Engine(model_dir, settings)`` loads a local Hugging Face model directory and serves it from one
-background worker thread. Concurrent requests queue up; the worker takes what is waiting (up to
-``max_batch``, waiting at most ``batch_window_s`` for company) and runs one batched ``generate``
-per group of requests that share temperature and top-p. Seeded requests run alone, so a seed
+background worker thread. It holds up to ``settings.node.keep_versions`` versions at once, each as
+its own model instance, so that sessions pinned to a recent version keep being served by it
+(sticky versions). Memory: about ``keep_versions`` x (the fp32 model + its bf16 state), e.g.
+4 x 3.9 MB for the tiny model (0.65 M parameters); a large local model wants ``keep_versions`` small.
+
+One version is *live*: the one the updater follows (the registry's stable version) and the one a
+request that names no version gets. A request may name any held version (``version=N``); one that
+names a version the engine does not hold fails with :class:`VersionUnavailable`, which lists what
+it holds. Concurrent requests queue up; the worker takes what is waiting (up to ``max_batch``,
+waiting at most ``batch_window_s`` for company) and runs one batched ``generate`` per group of
+requests that share version, temperature and top-p. Seeded requests run alone, so a seed
 reproduces the same completion whatever else is in flight.
 
 Invariants:
-- Generation and :meth:`swap` take the same lock: a batch that started on version N finishes on
-  version N and is reported as N; the next batch sees the new weights.
-- Every :class:`Completion` names the version and sha256 of the weights that produced it.
-- A swap whose state does not match the model's parameter names and shapes changes nothing.
+- A batch runs on exactly one version: requests of different versions never share a
+  ``generate`` call, and every :class:`Completion` names the version and sha256 of the weights
+  that produced it.
+- Generation and loading take the same lock: a batch that started on version N finishes on N,
+  and no model instance is rewritten while a batch uses it; a request without a version runs on
+  what is live when its batch is formed. Submitting and reading what is held take only a short
+  second lock, so the event loop never waits for a batch.
+- Loading a version beyond ``keep_versions`` evicts the held version least recently loaded or
+  made live, never the live one (unless the new version replaces it, with ``keep_versions=1``);
+  its model instance is reused, and a request queued for it fails with :class:`VersionUnavailable`.
+- A load whose state does not match the model's parameter names and shapes changes nothing;
+  a held version is immutable (loading it again with another hash is refused).
 - Until the engine knows its registered version (``version is None``) it refuses to generate.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import queue
 import threading
 import time
+from collections import OrderedDict
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +56,15 @@ class EngineNotReady(RuntimeError):
     """The engine has no registered version yet."""
 
 
+class VersionUnavailable(LookupError):
+    """The engine does not hold the version a request named."""
+
+    def __init__(self, version: int, held: list[int]) -> None:
+        super().__init__(f"version {version} is not loaded on this node; it holds {held}")
+        self.version = version
+        self.held = held
+
+
 @dataclass(frozen=True)
 class GenerationRequest:
     prompt_ids: list[int]
@@ -45,6 +72,8 @@ class GenerationRequest:
     temperature: float = 1.0
     top_p: float = 1.0
     seed: int | None = None
+    #: The model version to sample from; None: the live one.
+    version: int | None = None
 
 
 @dataclass(frozen=True)
@@ -62,6 +91,15 @@ class _Pending:
     future: Future
 
 
+@dataclass
+class _Slot:
+    """One loaded version: its own model instance and the exact state it was built from."""
+
+    model: Any
+    state: dict[str, torch.Tensor]
+    sha256: str
+
+
 class Engine:
     def __init__(
         self,
@@ -74,23 +112,34 @@ class Engine:
     ) -> None:
         self.model_dir = Path(model_dir)
         self.settings = settings
-        self.model, self.tokenizer = sampling.load_model(self.model_dir)
+        self.keep_versions = settings.node.keep_versions
+        model, self.tokenizer = sampling.load_model(self.model_dir)
         self.eos_token_id = int(self.tokenizer.eos_token_id)
-        self.max_context = int(getattr(self.model.config, "max_position_embeddings", 0) or 0) or None
-        self._state = sampling.export_state(self.model)
-        self.sha256 = state_sha256(self._state)
-        self.version = version
+        self.max_context = int(getattr(model.config, "max_position_embeddings", 0) or 0) or None
+        state = sampling.export_state(model)
+        self._live = _Slot(model, state, state_sha256(state))
+        #: Named versions, least recently loaded or made live first; holds the live slot once named.
+        self._slots: OrderedDict[int, _Slot] = OrderedDict()
+        self.version: int | None = None
         self.max_batch = max_batch
         self.batch_window_s = batch_window_s
         self.batches = 0  # generate calls run
         self.requests = 0  # completions returned
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # generation and weight loads: held for a whole batch or load
+        self._meta = threading.Lock()  # which versions are held and live: held for microseconds
+        if version is not None:
+            self.set_version(version)
         self._queue: queue.Queue[_Pending] = queue.Queue()
         self._closed = threading.Event()
         self._worker = threading.Thread(target=self._loop, name="engine-worker", daemon=True)
         self._worker.start()
 
     # Public API --------------------------------------------------------------------------------
+
+    @property
+    def sha256(self) -> str:
+        """The hash of the live weights."""
+        return self._live.sha256
 
     def prompt_ids(self, messages: list[dict[str, Any]]) -> list[int]:
         return sampling.chat_prompt_ids(self.tokenizer, messages)
@@ -102,26 +151,45 @@ class Engine:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     def current(self) -> tuple[int | None, str]:
-        """(version, sha256) of the weights the next batch will use."""
-        with self._lock:
-            return self.version, self.sha256
+        """(version, sha256) of the live weights: what a request that names no version gets."""
+        with self._meta:
+            return self.version, self._live.sha256
 
     def state(self) -> dict[str, torch.Tensor]:
-        """The exact state the current version was built from (do not mutate)."""
-        with self._lock:
-            return self._state
+        """The exact state the live version was built from (do not mutate)."""
+        with self._meta:
+            return self._live.state
+
+    def versions(self) -> list[int]:
+        """The versions held, ascending."""
+        with self._meta:
+            return sorted(self._slots)
+
+    def holds(self, version: int) -> bool:
+        with self._meta:
+            return version in self._slots
 
     def set_version(self, version: int) -> None:
-        """Name the weights already loaded (at start-up, when they match a registered version)."""
-        with self._lock:
+        """Name the weights loaded at start-up (when they match a registered version)."""
+        with self._meta:
+            if self.version is not None:
+                del self._slots[self.version]
+            self._slots[version] = self._live
             self.version = version
 
     def submit(self, request: GenerationRequest) -> Future:
-        """Queue one generation; the future resolves to a :class:`Completion`."""
+        """Queue one generation; the future resolves to a :class:`Completion`.
+
+        Raises :class:`VersionUnavailable` at once when ``request.version`` is not held (the
+        future fails with it instead if the version is evicted before its batch runs).
+        """
         if self._closed.is_set():
             raise RuntimeError("engine is closed")
-        if self.version is None:
-            raise EngineNotReady("the engine has not loaded a registered version yet")
+        with self._meta:
+            if self.version is None:
+                raise EngineNotReady("the engine has not loaded a registered version yet")
+            if request.version is not None and request.version not in self._slots:
+                raise VersionUnavailable(request.version, sorted(self._slots))
         future: Future = Future()
         self._queue.put(_Pending(request, future))
         return future
@@ -129,17 +197,51 @@ class Engine:
     def generate(self, request: GenerationRequest) -> Completion:
         return self.submit(request).result()
 
-    def swap(self, version: int, state: dict[str, torch.Tensor], sha256: str) -> None:
-        """Load ``state`` as ``version`` between batches; nothing changes if it does not fit."""
-        with self._lock:
-            mismatched = _mismatch(self._state, state)
-            if mismatched:
-                raise ValueError(f"state for version {version} does not fit the model: {mismatched}")
-            sampling.load_state(self.model, state)
-            self._state = state
-            self.version = version
-            self.sha256 = sha256
-        log.info("engine now serves version %d (%s)", version, sha256[:12])
+    def swap(self, version: int, state: dict[str, torch.Tensor], sha256: str, *, live: bool = True) -> None:
+        """Load ``state`` as ``version`` between batches (and make it live unless ``live=False``),
+        evicting the least recently used non-live version beyond ``keep_versions``; nothing
+        changes if it does not fit."""
+        with self._lock:  # no batch runs while a model instance is rewritten
+            with self._meta:
+                held = self._slots.get(version)
+                if held is not None and held.sha256 != sha256:
+                    raise ValueError(f"version {version} is held with hash {held.sha256[:12]}, not {sha256[:12]}")
+                evicted: _Slot | None = None
+                if held is None:
+                    mismatched = _mismatch(self._live.state, state)
+                    if mismatched:
+                        raise ValueError(f"state for version {version} does not fit the model: {mismatched}")
+                    if len(self._slots) >= self.keep_versions:
+                        # Least recently used first; the live one only when the new version replaces it.
+                        victims = [v for v in self._slots if v != self.version] + ([self.version] if live else [])
+                        if not victims:
+                            raise ValueError(f"keep_versions={self.keep_versions} leaves no room for version "
+                                             f"{version} beside the live version {self.version}")
+                        evicted = self._slots.pop(victims[0])  # requests naming it are refused from now on
+                        log.info("engine evicts version %d (keeps %d)", victims[0], self.keep_versions)
+            if held is None:
+                # Reuse the evicted instance's memory, or copy the live model's structure.
+                model = evicted.model if evicted is not None else copy.deepcopy(self._live.model)
+                sampling.load_state(model, state)
+                held = _Slot(model, state, sha256)
+            with self._meta:
+                self._slots[version] = held
+                self._slots.move_to_end(version)
+                if live:
+                    self._live, self.version = held, version
+                held_now = sorted(self._slots)
+        log.info("engine holds versions %s, live %s (loaded %d, %s)", held_now, self.version, version, sha256[:12])
+
+    def activate(self, version: int) -> bool:
+        """Make a held version live without loading anything; False if it is not held."""
+        with self._meta:
+            held = self._slots.get(version)
+            if held is None:
+                return False
+            self._slots.move_to_end(version)
+            self._live, self.version = held, version
+        log.info("engine now serves version %d (already held)", version)
+        return True
 
     def close(self) -> None:
         self._closed.set()
@@ -174,7 +276,9 @@ class Engine:
                     batch.append(self._queue.get(timeout=remaining))
                 except queue.Empty:
                     break
-            for group in group_requests(batch):
+            with self._meta:
+                live = self.version
+            for group in group_requests(batch, live):
                 self._run(group)
 
     def _run(self, group: list[_Pending]) -> None:
@@ -184,10 +288,19 @@ class Engine:
         first = live[0].request
         try:
             with self._lock:
-                version, sha = self.version, self.sha256
+                with self._meta:
+                    named = {p.request.version for p in live} - {None}
+                    assert len(named) <= 1, named
+                    if named:
+                        version = named.pop()
+                        slot = self._slots.get(version)
+                        if slot is None:
+                            raise VersionUnavailable(version, sorted(self._slots))
+                    else:
+                        version, slot = self.version, self._live
                 assert version is not None
                 samples = sampling.generate(
-                    self.model,
+                    slot.model,
                     [p.request.prompt_ids for p in live],
                     max_new_tokens=max(p.request.max_new_tokens for p in live),
                     temperature=first.temperature,
@@ -197,6 +310,10 @@ class Engine:
                 )
                 self.batches += 1
                 self.requests += len(live)
+        except VersionUnavailable as exc:  # evicted while queued: the client is told what is held
+            for p in live:
+                p.future.set_exception(exc)
+            return
         except Exception as exc:  # hand the failure to every waiting request; the worker keeps serving
             log.exception("generation failed for a batch of %d", len(live))
             for p in live:
@@ -205,19 +322,21 @@ class Engine:
         for p, sample in zip(live, samples, strict=True):
             ids, lps = truncate(sample.token_ids, sample.logprobs, p.request.max_new_tokens)
             finish = "stop" if ids and ids[-1] == self.eos_token_id else "length"
-            p.future.set_result(Completion(ids, lps, finish, version, sha))
+            p.future.set_result(Completion(ids, lps, finish, version, slot.sha256))
 
 
-def group_requests(batch: list[_Pending]) -> list[list[_Pending]]:
-    """Requests that can share one ``generate`` call: same temperature and top-p, no seed."""
-    groups: dict[tuple[float, float], list[_Pending]] = {}
+def group_requests(batch: list[_Pending], live: int | None = None) -> list[list[_Pending]]:
+    """Requests that can share one ``generate`` call: same version (one that names none counts as
+    ``live``), temperature and top-p, no seed. A group never holds two different named versions."""
+    groups: dict[tuple[int | None, float, float], list[_Pending]] = {}
     alone: list[list[_Pending]] = []
     for pending in batch:
         r = pending.request
         if r.seed is not None:
             alone.append([pending])
         else:
-            groups.setdefault((r.temperature, r.top_p), []).append(pending)
+            version = r.version if r.version is not None else live
+            groups.setdefault((version, r.temperature, r.top_p), []).append(pending)
     return [*groups.values(), *alone]
 
 

@@ -4,7 +4,8 @@ Start-up order: wait for the database and upgrade it; make sure the model direct
 (``model.path`` or the built-in tiny model); load the engine; name its weights with a registered
 version — on a fresh registry the base model is published as version 0 (full) and marked stable,
 so every generation this node serves names a registered version; otherwise follow the stable
-version before accepting traffic. Then serve until stopped, with the updater polling.
+version before accepting traffic (and preload a canary version, if any). Then serve until
+stopped, with the updater polling. The engine keeps the last ``node.keep_versions`` versions.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ def run(settings: Settings, stop: threading.Event | None = None) -> None:
     from flywheel.weights.store import make_store
     from serving.node.app import create_app
     from serving.node.engine import Engine
-    from serving.node.updater import Updater
+    from serving.node.updater import Updater, node_url
     from serving.server import serve
 
     import torch
@@ -63,8 +64,8 @@ def run(settings: Settings, stop: threading.Event | None = None) -> None:
         engine = Engine(model_dir(settings), settings)
         cleanup.callback(engine.close)
         bootstrap_version(engine, registry)
-        node_url = f"http://{settings.node.host}:{settings.node.port}"
-        updater = Updater(engine, registry, settings, session_factory=sessions, live=live, url=node_url)
+        url = node_url(settings)
+        updater = Updater(engine, registry, settings, session_factory=sessions, live=live, url=url)
         outcome = updater.check_once()
         if engine.version is None:
             raise RuntimeError(f"no registered version could be loaded at start-up: {outcome.detail or 'none matches'}")
@@ -72,5 +73,5 @@ def run(settings: Settings, stop: threading.Event | None = None) -> None:
         cleanup.callback(updater.stop)
 
         app = create_app(engine, updater, settings)
-        log.info("node %s serving %s v%s on %s", settings.node.node_id, settings.model.line, engine.version, node_url)
+        log.info("node %s serving %s v%s on %s", settings.node.node_id, settings.model.line, engine.version, url)
         serve(app, host=settings.node.host, port=settings.node.port, stop=stop, log_level=settings.log_level)

@@ -2,18 +2,22 @@
 
 ``Updater(engine, registry, settings, session_factory=..., live=...)``:
 - :meth:`check_once` reads ``registry.latest("stable")``; when it differs from what the engine
-  serves (newer, or older after a rollback) it calls :meth:`update_to`.
+  serves (newer, or older after a rollback) it makes it live: at once when the engine still holds
+  it, else through :meth:`update_to`. It then preloads the newest ``canary`` version, if any,
+  without making it live (needs ``node.keep_versions >= 2``), so canary sessions find it here.
 - :meth:`update_to` loads the version with ``registry.load(version, base=(current, state))``, which
   applies deltas from the version the node already has and verifies the sha256 of every
   reconstructed step, then swaps it into the engine between batches.
 
 Invariants:
 - On any failure (missing blob, corrupt delta, hash mismatch, shape mismatch) the engine keeps
-  serving the version it had; the node's status becomes ``failed_update`` with the reason, and
-  the same version is not retried by the poll loop until the stable version changes (an admin
-  ``update_to`` retries it explicitly).
+  serving what it had; the node's status becomes ``failed_update`` with the reason, and the poll
+  loop does not retry that version (an admin ``update_to`` retries it explicitly; a success
+  clears it).
 - The node's row in ``nodes`` (live version, status, detail, last heartbeat) and its live-state
-  heartbeat are refreshed on every change and at least every ``db_heartbeat_s``.
+  heartbeat (also ``versions``: the versions held, and ``url``: where the gateway reaches the
+  node) are refreshed on every change and at least every ``db_heartbeat_s`` (the heartbeat on
+  every poll).
 - One update at a time: the poll thread and the admin endpoint share a lock.
 """
 
@@ -57,12 +61,12 @@ class Updater:
         self.settings = settings
         self.session_factory = session_factory
         self.live = live
-        self.url = url or f"http://{settings.node.host}:{settings.node.port}"
+        self.url = url or node_url(settings)
         self.db_heartbeat_s = db_heartbeat_s
         self.status = "serving"
         self.detail = ""
         self.updates = 0
-        self._failed_version: int | None = None
+        self._failed: set[int] = set()  # versions the poll loop does not retry
         self._lock = threading.Lock()
         self._last_db_heartbeat = 0.0
         self._thread: threading.Thread | None = None
@@ -71,40 +75,54 @@ class Updater:
     # One step ----------------------------------------------------------------------------------
 
     def check_once(self) -> UpdateOutcome:
-        """Follow the registry's stable version once."""
+        """Follow the registry's stable version once, then preload its canary."""
         stable = self.registry.latest("stable")
         current, _ = self.engine.current()
         if stable is None or stable.version == current:
-            self._report()
-            return UpdateOutcome(True, False, current)
-        if stable.version == self._failed_version:
-            self._report()
-            return UpdateOutcome(False, False, current, self.detail)
-        return self.update_to(stable.version)
+            outcome = UpdateOutcome(True, False, current)
+        elif stable.version in self._failed:
+            outcome = UpdateOutcome(False, False, current, self.detail)
+        else:
+            outcome = self.update_to(stable.version)
+        canary = self.registry.latest("canary") if outcome.ok and self.engine.keep_versions > 1 else None
+        if canary is not None and canary.version not in self._failed and not self.engine.holds(canary.version):
+            self.update_to(canary.version, live=False)
+        self._report()
+        return outcome
 
-    def update_to(self, version: int) -> UpdateOutcome:
-        """Load and swap in ``version``; on failure keep serving the current one."""
+    def update_to(self, version: int, *, live: bool = True) -> UpdateOutcome:
+        """Make ``version`` live (``live=False``: only hold it), loading it unless the engine holds
+        it already; on failure keep serving the current one."""
         with self._lock:
             current, _ = self.engine.current()
-            if version == current:
+            if version == current or (not live and self.engine.holds(version)):
+                self._failed.discard(version)
                 self._set("serving", "")
                 return UpdateOutcome(True, False, current)
+            if live and self.engine.activate(version):
+                self._failed.discard(version)
+                self.updates += 1
+                self._set("serving", f"updated {current} -> {version} (already held)")
+                return UpdateOutcome(True, True, version, self.detail)
             base = (current, self.engine.state()) if current is not None else None
             self._set("updating", f"loading version {version}")
             started = time.perf_counter()
             try:
                 info = self.registry.get(version)
                 state = self.registry.load(version, base=base)
-                self.engine.swap(version, state, info.sha256)
+                self.engine.swap(version, state, info.sha256, live=live)
             except Exception as exc:  # keep serving what we have; report why
                 reason = f"version {version}: {type(exc).__name__}: {exc}"
                 log.error("weight update failed, still serving version %s: %s", current, reason)
-                self._failed_version = version
+                self._failed.add(version)
                 self._set("failed_update", reason)
                 return UpdateOutcome(False, False, current, reason)
-            self._failed_version = None
-            self.updates += 1
+            self._failed.discard(version)
             took = time.perf_counter() - started
+            if not live:
+                self._set("serving", f"holding version {version} beside {current} (loaded in {took:.2f}s)")
+                return UpdateOutcome(True, False, current, self.detail)
+            self.updates += 1
             self._set("serving", f"updated {current} -> {version} in {took:.2f}s")
             return UpdateOutcome(True, True, version, self.detail)
 
@@ -148,6 +166,7 @@ class Updater:
                 "url": self.url,
                 "model_line": self.settings.model.line,
                 "live_version": version,
+                "versions": self.engine.versions(),
                 "sha256": sha,
                 "status": self.status,
                 "detail": self.detail,
@@ -171,3 +190,8 @@ class Updater:
                 )
             )
             session.commit()
+
+
+def node_url(settings: Settings) -> str:
+    """Where the gateway reaches this node: ``node.url``, else ``http://host:port``."""
+    return (settings.node.url or f"http://{settings.node.host}:{settings.node.port}").rstrip("/")

@@ -371,3 +371,63 @@ def test_kafka_flush_raises_when_the_broker_is_gone(tmp_path) -> None:
             producer.close(timeout_s=0.5)
     finally:
         broker.stop()
+
+
+def test_large_records_cross_the_bus_whole_in_an_envelope(bus_settings: Settings, bus: Bus) -> None:
+    """Above the record limit a value is compressed, then chunked; a consumer gets it back bit-exact."""
+    import hashlib
+    import os
+
+    from flywheel.bus.envelope import Reassembler, encode
+
+    topic = _topic(bus_settings, bus)
+    values = [os.urandom(3_000_000), b"[" + b"12345, " * 300_000 + b"]", b"small"]
+    producer = bus.producer(timeout_s=10)
+    try:
+        for i, value in enumerate(values):
+            for part, headers in encode(value, {"event_id": f"e{i}"}, 900_000):
+                producer.send(topic, "one-key", part, headers)
+        producer.flush(timeout_s=30)
+    finally:
+        producer.close()
+    consumer = bus.consumer(f"g-{uuid.uuid4().hex[:8]}", [topic])
+    reassembler = Reassembler()
+    got: list[Record] = []
+    try:
+        deadline = time.monotonic() + DEADLINE_S
+        while len(got) < len(values):
+            assert time.monotonic() < deadline, f"got {len(got)} of {len(values)} values"
+            got.extend(r for r in map(reassembler.feed, consumer.poll(0.5)) if r is not None)
+    finally:
+        consumer.close()
+    assert [r.headers for r in got] == [{"event_id": f"e{i}"} for i in range(len(values))]
+    assert [hashlib.sha256(r.value).digest() for r in got] == [hashlib.sha256(v).digest() for v in values]
+
+
+def test_kafka_producer_gives_up_within_its_timeout_on_a_dead_broker(tmp_path) -> None:
+    """Creating a producer, waiting for metadata and flushing are bounded by ``timeout_s``; none hangs."""
+    from flywheel.bus import BusError
+    from tests.fixtures.kafka import kafka_test_settings, start_tansu
+    from tests.fixtures.roles import free_port
+
+    dead = make_bus(kafka_test_settings(f"127.0.0.1:{free_port()}", tmp_path))
+    start = time.monotonic()
+    with pytest.raises(BusError):
+        dead.producer(timeout_s=2)
+    assert time.monotonic() - start < 8
+
+    broker = start_tansu(log_dir=tmp_path)
+    try:
+        settings = kafka_test_settings(broker.bootstrap, tmp_path)
+        bus = make_bus(settings)
+        producer = bus.producer(timeout_s=2)
+        broker.kill()
+        start = time.monotonic()
+        with pytest.raises(BusError):  # metadata for a topic it has never seen: bounded by max_block_ms
+            producer.send(settings.topic("never-seen"), "k", b"v")
+            producer.flush(timeout_s=2)
+        assert time.monotonic() - start < 8
+        producer.close(timeout_s=0)
+        bus.close()
+    finally:
+        broker.stop()

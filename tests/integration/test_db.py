@@ -39,6 +39,7 @@ TABLES = {
     "model_versions",
     "version_transitions",
     "nodes",
+    "api_keys",
 }
 
 

@@ -1,20 +1,22 @@
 """The serving stage over real HTTP: node (built-in engine, quick tiny model) + gateway + bus + registry.
 
 The node and the gateway run through their real entry points (``run(settings, stop)``) in threads,
-on free ports, with a local-log bus and the database from ``migrated_db_url`` (SQLite and
-PostgreSQL). The test publishes versions with its own :class:`Registry` on the same database and
-store, exactly as the trainer would, and watches the node pick them up.
+on free ports, with a local-log bus, Redis live state (node heartbeats) and the database from
+``migrated_db_url`` (SQLite and PostgreSQL). The test publishes versions with its own
+:class:`Registry` on the same database and store, exactly as the trainer would, and watches the
+node pick them up. Node-only tests (several versions per node) run without the gateway.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import math
 import threading
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import httpx
 import pytest
@@ -51,7 +53,7 @@ def reference(quick_model_dir):
 class Stack:
     settings: Settings
     node: str
-    gateway: str
+    gateway: str | None
     registry: Registry
     sessions: Any
     bus: Any
@@ -77,49 +79,68 @@ class Stack:
         return got
 
 
-@pytest.fixture
-def stack(tmp_path, migrated_db_url, quick_model_dir):
+@contextlib.contextmanager
+def running(data_dir, db_url: str, model_dir, live: dict[str, Any], *, gateway: bool) -> Iterator[Stack]:
+    """The node (and the gateway, when asked) through their entry points until the block ends."""
     from serving.gateway.main import run as run_gateway
     from serving.node.main import run as run_node
 
     settings = load_settings(
-        data_dir=str(tmp_path),
-        db={"url": migrated_db_url, "wait_s": 10},
+        data_dir=str(data_dir),
+        db={"url": db_url, "wait_s": 10},
         bus={"kind": "local", "partitions": 2, "topic_prefix": f"it-{uuid.uuid4().hex[:8]}."},
-        model={"path": str(quick_model_dir)},
-        node={"port": free_port(), "poll_s": 0.2, "node_id": "node-it", "max_new_tokens": 16},
+        model={"path": str(model_dir)},
+        live=live,
+        node={"port": free_port(), "poll_s": 0.2, "node_id": "node-it", "max_new_tokens": 16, "keep_versions": 3},
         gateway={"port": free_port()},
     )
     stop = threading.Event()
-    node_thread = RoleThread("node", run_node, settings, stop)
-    gateway_thread = RoleThread("gateway", run_gateway, settings, stop)
+    roles = [RoleThread("node", run_node, settings, stop)]
+    if gateway:
+        roles.append(RoleThread("gateway", run_gateway, settings, stop))
     node_url = f"http://127.0.0.1:{settings.node.port}"
     gateway_url = f"http://127.0.0.1:{settings.gateway.port}"
-    db = make_engine(migrated_db_url)
+    db = make_engine(db_url)
     sessions = make_session_factory(db)
     bus = make_bus(settings)
     try:
-        node_thread.start()
-        gateway_thread.start()
+        for role in roles:
+            role.start()
 
         def up(url: str, thread: RoleThread) -> bool:
             if thread.error is not None:
                 raise AssertionError(f"{thread.name} failed to start: {thread.error!r}") from thread.error
             return httpx.get(url, timeout=2).status_code == 200
 
-        wait_until("the node", lambda: up(f"{node_url}/health", node_thread), timeout_s=120)
-        wait_until("the gateway", lambda: up(f"{gateway_url}/health", gateway_thread))
+        wait_until("the node", lambda: up(f"{node_url}/health", roles[0]), timeout_s=120)
+        if gateway:
+            wait_until("the gateway", lambda: up(f"{gateway_url}/health", roles[1]))
         registry = Registry(sessions, make_store(settings), settings.model.line)
-        yield Stack(settings, node_url, gateway_url, registry, sessions, bus)
+        yield Stack(settings, node_url, gateway_url if gateway else None, registry, sessions, bus)
     finally:
         stop.set()
-        node_thread.join(timeout=30)
-        gateway_thread.join(timeout=30)
+        for role in roles:
+            role.join(timeout=30)
         bus.close()
         db.dispose()
-    assert not node_thread.is_alive() and not gateway_thread.is_alive(), "a role did not stop"
-    assert node_thread.error is None, node_thread.error
-    assert gateway_thread.error is None, gateway_thread.error
+    for role in roles:
+        assert not role.is_alive(), f"{role.name} did not stop"
+        assert role.error is None, role.error
+
+
+@pytest.fixture
+def stack(tmp_path, migrated_db_url, quick_model_dir, redis_url, live_prefix) -> Iterator[Stack]:
+    live = {"kind": "redis", "redis_url": redis_url, "key_prefix": live_prefix}
+    with running(tmp_path, migrated_db_url, quick_model_dir, live, gateway=True) as stack:
+        yield stack
+
+
+@pytest.fixture
+def node_stack(tmp_path, migrated_db_url, quick_model_dir, redis_url, live_prefix) -> Iterator[Stack]:
+    """The node alone (Redis live state, so the test reads its heartbeats)."""
+    live = {"kind": "redis", "redis_url": redis_url, "key_prefix": live_prefix}
+    with running(tmp_path, migrated_db_url, quick_model_dir, live, gateway=False) as stack:
+        yield stack
 
 
 def _served_logprobs_match(reference, state, event: GenerationEvent) -> float:
@@ -192,7 +213,7 @@ def test_gateway_captures_generations_and_feedback(stack, reference):
         (feedback_event_id("local", "fb-it-1"), generation, session, "task_solved")
     ]
     metrics = httpx.get(f"{stack.gateway}/metrics").text
-    assert "flywheel_generations_captured_total 2.0" in metrics
+    assert 'flywheel_generations_captured_total{model_version="0"} 2.0' in metrics
     assert "flywheel_feedback_captured_total 1.0" in metrics
 
 
@@ -300,3 +321,132 @@ def test_updater_hot_swaps_deltas_and_rejects_a_corrupt_one(stack, reference):
     registry.set_status(v3.version, "stable", reason="test: recovery")
     health = wait_until("the node on v3", lambda: (h := stack.health())["version"] == 3 and h)
     assert health["sha256"] == v3.sha256 and health["update_status"] == "serving"
+
+
+# Several versions per node (sticky sessions) ------------------------------------------------------
+
+
+def _logprob_gap(reference, state: dict[str, torch.Tensor], prompt_ids: list[int], ids: list[int],
+                 logprobs: list[float]) -> float:
+    """Largest gap between served logprobs and a fresh forward pass of ``state`` over the served ids."""
+    model, _ = reference
+    sampling.load_state(model, state)
+    recomputed = sampling.token_logprobs(model, prompt_ids + ids)[len(prompt_ids) - 1 :]
+    return max(abs(a - b) for a, b in zip(recomputed, logprobs, strict=True))
+
+
+def test_a_batch_never_mixes_versions_and_eviction_spares_the_live_one(tmp_path, quick_model_dir, reference):
+    from flywheel.weights.codec import state_sha256
+    from serving.node.engine import Engine, GenerationRequest, VersionUnavailable
+
+    settings = load_settings(data_dir=str(tmp_path), node={"keep_versions": 2})
+    engine = Engine(quick_model_dir, settings, version=0, max_batch=64, batch_window_s=0.5)
+    try:
+        state0 = engine.state()
+        state1 = _perturbed(state0, seed=1)
+        engine.swap(1, state1, state_sha256(state1))
+        assert (engine.versions(), engine.current()) == ([0, 1], (1, state_sha256(state1)))
+        prompt = engine.prompt_ids(MESSAGES)
+        wanted = [0, 1, None] * 8
+        futures = [engine.submit(GenerationRequest(prompt, 6, version=v)) for v in wanted]
+        completions = [f.result(timeout=60) for f in futures]
+        assert engine.batches == 2 and engine.requests == len(wanted)  # one generate call per version
+        states = {0: state0, 1: state1}
+        for asked, completion in zip(wanted, completions, strict=True):
+            version = 1 if asked is None else asked
+            assert (completion.version, completion.sha256) == (version, state_sha256(states[version]))
+            own = _logprob_gap(reference, states[version], prompt, completion.token_ids, completion.logprobs)
+            other = _logprob_gap(reference, states[1 - version], prompt, completion.token_ids, completion.logprobs)
+            assert own < 1e-3 < other, (version, own, other)
+
+        # A request queued for a version that is evicted before its batch runs is told what is held.
+        queued = engine.submit(GenerationRequest(prompt, 4, version=0))
+        state2 = _perturbed(state1, seed=2)
+        engine.swap(2, state2, state_sha256(state2))  # keeps 2: evicts 0, the least recently used
+        with pytest.raises(VersionUnavailable) as err:
+            queued.result(timeout=60)
+        assert err.value.held == [1, 2]
+        with pytest.raises(VersionUnavailable):
+            engine.submit(GenerationRequest(prompt, 4, version=0))
+        # Holding a version beside the live one evicts the other one, never the live one.
+        engine.swap(0, state0, state_sha256(state0), live=False)
+        assert (engine.versions(), engine.current()[0]) == ([0, 2], 2)
+        assert engine.activate(0) and engine.current() == (0, state_sha256(state0)) and not engine.activate(1)
+        with pytest.raises(ValueError, match="held with hash"):
+            engine.swap(2, state1, state_sha256(state1))  # a held version is immutable
+    finally:
+        engine.close()
+
+
+def test_the_node_serves_each_held_version_and_409s_an_evicted_one(node_stack, reference):
+    stack = node_stack
+    import asyncio
+
+    from flywheel.live import RedisLive
+    from serving.gateway.routing import Router
+
+    registry = stack.registry
+    state0 = registry.load(0)
+    state1 = _perturbed(state0, seed=1)
+    registry.set_status(registry.publish(state1, parent=0, parent_state=state0).version, "stable", reason="test")
+    wait_until("the node on v1", lambda: (h := stack.health())["version"] == 1 and h["versions"] == [0, 1])
+
+    def ask(client: httpx.Client, version: str | None) -> httpx.Response:
+        headers = {} if version is None else {"X-Flywheel-Model-Version": version}
+        body = {"messages": MESSAGES, "max_tokens": 8, "logprobs": True, "return_token_ids": True}
+        return client.post(f"{stack.node}/v1/chat/completions", json=body, headers=headers)
+
+    def served(r: httpx.Response, version: int, state, other) -> None:
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["model_version"] == version and r.headers["X-Flywheel-Model-Version"] == str(version)
+        choice = body["choices"][0]
+        logprobs = [e["logprob"] for e in choice["logprobs"]["content"]]
+        args = (body["prompt_token_ids"], choice["token_ids"], logprobs)
+        assert _logprob_gap(reference, state, *args) < 1e-3 < _logprob_gap(reference, other, *args)
+
+    with httpx.Client(timeout=60) as client:
+        served(ask(client, "0"), 0, state0, state1)
+        served(ask(client, "1"), 1, state1, state0)
+        served(ask(client, None), 1, state1, state0)  # no header: the live version
+        r = ask(client, "latest")
+        assert r.status_code == 400 and r.json()["error"]["param"] == "X-Flywheel-Model-Version"
+
+    # A canary is held beside the live version, not served by default.
+    state2 = _perturbed(state1, seed=2)
+    registry.set_status(registry.publish(state2, parent=1, parent_state=state1).version, "canary", reason="test")
+    wait_until("the canary held", lambda: (h := stack.health())["versions"] == [0, 1, 2] and h["version"] == 1)
+    # A new stable version evicts the least recently used one (keep_versions = 3).
+    state3 = _perturbed(state1, seed=3)
+    registry.set_status(registry.publish(state3, parent=1, parent_state=state1).version, "stable", reason="test")
+    wait_until("the node on v3", lambda: (h := stack.health())["version"] == 3 and h["versions"] == [1, 2, 3])
+    with httpx.Client(timeout=60) as client:
+        served(ask(client, "2"), 2, state2, state1)
+        r = ask(client, "0")
+        assert r.status_code == 409, r.text
+        error = r.json()["error"]
+        assert error["code"] == "version_unavailable" and "[1, 2, 3]" in error["message"]
+
+    # The gateway's router sees what the node holds through its heartbeat.
+    settings = stack.settings.model_copy(update={"gateway": stack.settings.gateway.model_copy(
+        update={"upstream": "http://fallback.invalid"})})
+    live = RedisLive(settings.live.redis_url, settings.live.key_prefix)
+
+    async def route() -> tuple:
+        router = Router(settings, stack.sessions, live)
+        await router.refresh()
+        table = await router.table()
+        return (table.stable, table.canary), router.upstream_for(2), router.upstream_for(0), router.live_versions()
+
+    try:
+        statuses, for_canary, for_evicted, shown = asyncio.run(route())
+    finally:
+        live.close()
+    assert statuses == (3, 2) and for_canary == stack.node and for_evicted == "http://fallback.invalid"
+    assert shown["nodes"] == [{"node_id": "node-it", "region": "local", "live_version": 3, "versions": [1, 2, 3],
+                               "status": "serving"}]
+
+    # A rollback to a version the node still holds needs no load.
+    registry.set_status(1, "stable", reason="test: rollback")
+    health = wait_until("the node back on v1", lambda: (h := stack.health())["version"] == 1 and h)
+    assert health["versions"] == [1, 2, 3] and "already held" in health["update_detail"]

@@ -387,31 +387,53 @@ def test_streams_that_break_off_end_in_an_error_event_and_record_nothing(faulty)
     assert "flywheel_stream_errors_total 3.0" in metrics
 
 
-def test_a_stream_the_bus_refuses_ends_in_an_error_event(tmp_path, tiny_model_dir):
-    """[DONE] is the acknowledgement: if the event cannot be recorded the client never gets it."""
+def test_a_stream_whose_event_cannot_be_spooled_ends_in_an_error_event(tmp_path):
+    """[DONE] is the acknowledgement: if the event cannot be recorded the client never gets it.
+    The bus refuses everything and ``spool_full = "reject"``: a stream is admitted while the spool
+    has room, a large feedback batch fills the spool while the upstream is still decoding, so the
+    stream's event is refused at its end and the stream ends with the error instead of [DONE]."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from bench.upstream import running
     from serving.gateway.app import create_app
 
-    with faulty_upstream() as upstream:
-        settings = load_settings(data_dir=str(tmp_path), bus={"kind": "local", "topic_prefix": "refuse."},
-                                 gateway={"upstream": upstream})
-        bus = make_bus(settings)
-        producer = bus.producer()
-        producer.close()  # a real producer that can no longer write
+    class Refusing:
+        def send(self, *args: Any, **kwargs: Any) -> None:
+            raise ConnectionError("broker refused")
+
+        def flush(self, timeout_s: float | None = None) -> None:
+            raise ConnectionError("broker refused")
+
+        def close(self, timeout_s: float | None = None) -> None:
+            pass
+
+    upstream_port = free_port()
+    with running(upstream_port, delay_ms=400):
+        settings = load_settings(data_dir=str(tmp_path), bus={"kind": "local", "topic_prefix": "refuse."}, gateway={
+            "upstream": f"http://127.0.0.1:{upstream_port}", "spool_max_bytes": 65_536, "spool_full": "reject"})
         stop, sock = threading.Event(), bind("127.0.0.1", 0)
-        port = sock.getsockname()[1]
-        app = create_app(settings, producer, httpx.AsyncClient())
-        thread = threading.Thread(target=serve, args=(app,), daemon=True,
-                                  kwargs={"host": "127.0.0.1", "port": port, "stop": stop, "sock": sock})
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        thread = threading.Thread(target=serve, args=(create_app(settings, producer_factory=Refusing),), daemon=True,
+                                  kwargs={"host": "127.0.0.1", "port": 0, "stop": stop, "sock": sock})
         thread.start()
         try:
-            wait_until("the gateway", lambda: httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200)
-            with httpx.Client(timeout=30) as client:
-                r, events = stream(client, f"http://127.0.0.1:{port}/v1/chat/completions",
-                                   {"messages": MESSAGES, "stream": True})
+            wait_until("the gateway", lambda: httpx.get(f"{url}/health", timeout=2).status_code == 200)
+            with httpx.Client(timeout=30) as client, ThreadPoolExecutor(1) as pool:
+                first = client.post(f"{url}/v1/chat/completions", json={"messages": MESSAGES},
+                                    headers={"X-Flywheel-Session": "s-full"})
+                assert first.status_code == 200, first.text
+                streamed = pool.submit(stream, client, f"{url}/v1/chat/completions",
+                                       {"messages": MESSAGES, "stream": True})
+                items = [{"feedback_id": f"big-{i}", "kind": "explicit", "signal": "comment", "comment": "y" * 9_000}
+                         for i in range(8)]
+                filler = client.post(f"{url}/v1/feedback", json={"feedback": items},
+                                     headers={"X-Flywheel-Session": "s-full"})
+                assert filler.status_code == 202, filler.text
+                r, events = streamed.result()
+                assert client.get(f"{url}/admin/capture").json()["bytes"] >= 65_536
         finally:
             stop.set()
             thread.join(timeout=10)
-            bus.close()
     assert r.status_code == 200 and "[DONE]" not in events
-    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in events[:-1]) == "abc"
+    assert all("choices" in e for e in events[:-1]) and len(events) > 1
     assert events[-1]["error"]["code"] == "capture_unavailable" and "retry" in events[-1]["error"]["message"]

@@ -1,40 +1,43 @@
 """Gateway input validation: bad requests get a 4xx OpenAI envelope and never touch the bus.
 
-The gateway runs in-process (FastAPI TestClient) on a real local-log bus in ``tmp_path``. None of
-these requests should reach an upstream; the upstream URL points at a closed port so a request
-that did would fail loudly with a 502 rather than pass.
+The gateway runs in-process (FastAPI TestClient, its whole lifespan: spool, shipper, SQLite, memory
+state) on a real local-log bus in ``tmp_path``, in front of the canned vLLM-shaped upstream of
+``bench.upstream``. Checks of what reached the bus wait until the spool has shipped everything.
 """
 
 from __future__ import annotations
 
 import json
-import socket
 from typing import Any
 
 import httpx
 import pytest
 from fastapi.testclient import TestClient
 
+from bench.upstream import running
 from flywheel.bus import make_bus
 from flywheel.events import FeedbackEvent, feedback_event_id
 from flywheel.settings import load_settings
 from serving.gateway.app import create_app
+from tests.fixtures.roles import free_port, wait_until
 
 pytestmark = pytest.mark.unit
 
 
-def _closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+@pytest.fixture(scope="module")
+def upstream():
+    port = free_port()
+    with running(port) as canned:
+        canned.url = f"http://127.0.0.1:{port}"
+        yield canned
 
 
 @pytest.fixture
-def settings(tmp_path):
+def settings(tmp_path, upstream):
     return load_settings(
         data_dir=str(tmp_path),
         bus={"kind": "local", "partitions": 2, "topic_prefix": "t."},
-        gateway={"max_body_bytes": 2048, "upstream": f"http://127.0.0.1:{_closed_port()}"},
+        gateway={"max_body_bytes": 2048, "upstream": upstream.url},
     )
 
 
@@ -48,14 +51,13 @@ def bus(settings):
 
 @pytest.fixture
 def client(settings, bus):
-    producer = bus.producer()
-    app = create_app(settings, producer, httpx.AsyncClient())
-    with TestClient(app) as c:
+    with TestClient(create_app(settings)) as c:
         yield c
-    producer.close()
 
 
-def _drain(bus, settings, group: str) -> dict[str, list[bytes]]:
+def _drain(client: TestClient, bus, settings, group: str) -> dict[str, list[bytes]]:
+    """Everything on the bus once the gateway's spool has shipped all it holds."""
+    wait_until("the spool to ship", lambda: client.get("/admin/capture").json()["events"] == 0, timeout_s=20)
     consumer = bus.consumer(group, [settings.topic("generations"), settings.topic("feedback")])
     seen: dict[str, list[bytes]] = {settings.topic("generations"): [], settings.topic("feedback"): []}
     try:
@@ -65,6 +67,12 @@ def _drain(bus, settings, group: str) -> dict[str, list[bytes]]:
     finally:
         consumer.close()
     return seen
+
+
+def _chat(client: TestClient, session: str) -> str:
+    r = client.post("/v1/chat/completions", json={"messages": GOOD_MESSAGES}, headers={"X-Flywheel-Session": session})
+    assert r.status_code == 200, r.text
+    return r.headers["X-Flywheel-Generation"]
 
 
 def _envelope(response: httpx.Response, status: int) -> dict[str, Any]:
@@ -81,8 +89,10 @@ CHAT = "/v1/chat/completions"
 GOOD_MESSAGES = [{"role": "user", "content": "sort 3 1 2"}]
 
 
-def test_rejected_requests_get_envelopes_and_leave_the_bus_untouched(client, bus, settings):
-    # One accepted feedback first: it must survive everything that follows, exactly once.
+def test_rejected_requests_get_envelopes_and_leave_the_bus_untouched(client, bus, settings, upstream):
+    # One generation and one accepted feedback first: they must survive everything that follows, once.
+    generation = _chat(client, "s-1")
+    served = upstream.served
     accepted = client.post(
         "/v1/feedback",
         json={"feedback_id": "fb-1", "session_id": "s-1", "kind": "explicit", "signal": "thumbs", "value": 1},
@@ -166,8 +176,20 @@ def test_rejected_requests_get_envelopes_and_leave_the_bus_untouched(client, bus
     err = _envelope(client.get("/v1/nowhere"), 404)
     assert err["type"] == "not_found_error"
 
-    seen = _drain(bus, settings, "check-1")
-    assert seen[settings.topic("generations")] == []
+    err = _envelope(client.post(CHAT, json={"messages": GOOD_MESSAGES, "model": "gpt-nope"}), 404)
+    assert err["param"] == "model" and err["code"] == "model_not_found" and "tiny-sim" in err["message"]
+
+    # Feedback on what this tenant never received.
+    err = _envelope(client.post("/v1/feedback", json=dict(fb, generation_id="g-never")), 404)
+    assert err["code"] == "generation_not_found" and err["param"] == "generation_id"
+    err = _envelope(client.post("/v1/feedback", json=dict(fb, session_id="s-never")), 404)
+    assert err["code"] == "session_not_found"
+    err = _envelope(client.post("/v1/feedback", json=dict(fb, generation_id=generation, session_id="s-other")), 400)
+    assert err["code"] == "session_mismatch"
+
+    assert upstream.served == served  # nothing rejected reached the upstream
+    seen = _drain(client, bus, settings, "check-1")
+    assert [json.loads(v)["generation_id"] for v in seen[settings.topic("generations")]] == [generation]
     values = seen[settings.topic("feedback")]
     assert len(values) == 1
     event = FeedbackEvent.from_bytes(values[0])
@@ -175,8 +197,9 @@ def test_rejected_requests_get_envelopes_and_leave_the_bus_untouched(client, bus
 
 
 def test_feedback_batches_and_retries_keep_their_ids(client, bus, settings):
+    generation = _chat(client, "s-9")
     items = [
-        {"feedback_id": "r-1", "kind": "outcome", "signal": "task_solved", "value": 1, "generation_id": "g-1"},
+        {"feedback_id": "r-1", "kind": "outcome", "signal": "task_solved", "value": 1, "generation_id": generation},
         {"feedback_id": "r-2", "kind": "custom", "signal": "latency_complaint", "data": {"ms": 900}},
     ]
     first = client.post("/v1/feedback", json={"feedback": items}, headers={"X-Flywheel-Session": "s-9"})
@@ -186,7 +209,7 @@ def test_feedback_batches_and_retries_keep_their_ids(client, bus, settings):
     tenant = settings.gateway.default_tenant
     assert first.json()["event_ids"] == [feedback_event_id(tenant, "r-1"), feedback_event_id(tenant, "r-2")]
 
-    events = [FeedbackEvent.from_bytes(v) for v in _drain(bus, settings, "check-2")[settings.topic("feedback")]]
+    events = [FeedbackEvent.from_bytes(v) for v in _drain(client, bus, settings, "check-2")[settings.topic("feedback")]]
     # At-least-once on the bus; the ids make the retry a duplicate that consumers drop.
     assert sorted(e.event_id for e in events) == sorted(first.json()["event_ids"] * 2)
     assert {e.session_id for e in events} == {"s-9"}
@@ -194,46 +217,64 @@ def test_feedback_batches_and_retries_keep_their_ids(client, bus, settings):
 
     metrics = client.get("/metrics").text
     assert "flywheel_feedback_captured_total 4.0" in metrics
-    assert "flywheel_generations_captured_total 0.0" in metrics
+    assert 'flywheel_generations_captured_total{model_version="1"} 1.0' in metrics
 
 
-def test_unreachable_upstream_is_a_502_and_nothing_is_captured(client, bus, settings):
-    r = client.post(CHAT, json={"messages": GOOD_MESSAGES}, headers={"X-Flywheel-Session": "s-2"})
-    err = _envelope(r, 502)
-    assert err["type"] == "upstream_error" and err["code"] == "upstream_unreachable"
-    assert _drain(bus, settings, "check-3")[settings.topic("generations")] == []
-    assert client.get("/health").json()["status"] == "ok"
+def test_unreachable_upstream_is_a_502_and_nothing_is_captured(tmp_path):
+    settings = load_settings(data_dir=str(tmp_path), gateway={"upstream": f"http://127.0.0.1:{free_port()}"})
+    bus = make_bus(settings)
+    with TestClient(create_app(settings)) as client:
+        r = client.post(CHAT, json={"messages": GOOD_MESSAGES}, headers={"X-Flywheel-Session": "s-2"})
+        err = _envelope(r, 502)
+        assert err["type"] == "upstream_error" and err["code"] == "upstream_unreachable"
+        assert r.headers["X-Flywheel-Session"] == "s-2"
+        assert _drain(client, bus, settings, "check-3")[settings.topic("generations")] == []
+        assert client.get("/health").json()["status"] == "ok"
+    bus.close()
 
 
-def test_a_bus_that_refuses_the_event_is_a_503_not_an_acknowledgement(settings, bus):
-    producer = bus.producer()
-    producer.close()  # a real producer that can no longer write
-    app = create_app(settings, producer, httpx.AsyncClient())
-    with TestClient(app) as client:
-        r = client.post(
-            "/v1/feedback",
-            json={"feedback_id": "lost?", "session_id": "s-3", "kind": "explicit", "signal": "thumbs", "value": -1},
-        )
-        err = _envelope(r, 503)
-        assert err["code"] == "capture_unavailable" and "retry" in err["message"]
-        assert "flywheel_feedback_captured_total 0.0" in client.get("/metrics").text
-    assert _drain(bus, settings, "check-4")[settings.topic("feedback")] == []
+class _RefusingProducer:
+    """A bus producer whose broker refuses everything (the spool must hold the events)."""
+
+    def send(self, *args: Any, **kwargs: Any) -> None:
+        raise ConnectionError("broker refused")
+
+    def flush(self, timeout_s: float | None = None) -> None:
+        raise ConnectionError("broker refused")
+
+    def close(self, timeout_s: float | None = None) -> None:
+        pass
+
+
+@pytest.mark.parametrize("policy", ["reject", "drop"])
+def test_a_full_spool_applies_its_policy(tmp_path, upstream, policy):
+    """The bus refuses everything, so the spool fills; then ``reject`` answers 503 before calling
+    the upstream and ``drop`` keeps serving and counts each lost event."""
+    settings = load_settings(data_dir=str(tmp_path), gateway={
+        "upstream": upstream.url, "spool_max_bytes": 65_536, "spool_full": policy, "drain_timeout_s": 0})
+    with TestClient(create_app(settings, producer_factory=_RefusingProducer)) as client:
+        statuses = [client.post(CHAT, json={"messages": GOOD_MESSAGES}).status_code for _ in range(40)]
+        depth = client.get("/admin/capture").json()
+        metrics = client.get("/metrics").text
+    assert depth["bytes"] >= 65_536 * 0.9
+    if policy == "reject":
+        assert statuses[0] == 200 and statuses[-1] == 503 and set(statuses) == {200, 503}
+        assert statuses.index(503) < 40 and all(s == 503 for s in statuses[statuses.index(503):])
+    else:
+        assert set(statuses) == {200}
+        dropped = sum(float(line.split()[-1]) for line in metrics.splitlines()
+                      if line.startswith("flywheel_capture_dropped_total"))
+        accepted = float(next(line.split()[-1] for line in metrics.splitlines()
+                              if line.startswith("flywheel_generations_captured_total")))
+        assert dropped >= 1 and dropped + accepted == 40
 
 
 def test_hostile_bodies_get_a_400_never_a_500(tmp_path):
     """Nesting past the parser's recursion limit, nesting the event could not serialise, control
     characters in ids and session headers, non-finite values, out-of-range seeds."""
-    from fastapi.testclient import TestClient
-
-    from flywheel.bus import make_bus
-    from flywheel.settings import load_settings
-    from serving.gateway.app import create_app
-
-    import httpx
-
     settings = load_settings(data_dir=str(tmp_path), gateway={"upstream": "http://127.0.0.1:9"})
     bus = make_bus(settings)
-    with TestClient(create_app(settings, bus.producer(), httpx.AsyncClient())) as client:
+    with TestClient(create_app(settings)) as client:
         deep = "[" * 100_000 + "]" * 100_000
         assert client.post("/v1/chat/completions", content=deep).status_code == 400
         nested = {"model": "m", "messages": [{"role": "user", "content": "x"}], "metadata": {}}

@@ -274,3 +274,37 @@ def test_group_members_in_two_processes_split_and_fail_over(tmp_path: Path) -> N
             if proc.poll() is None:
                 proc.wait(20)
     assert procs[0].returncode == 0
+
+
+_SENDER_NO_FLUSH = textwrap.dedent(
+    """
+    import sys, time
+    from flywheel.bus.locallog import LocalLogBus
+    producer = LocalLogBus(sys.argv[1], partitions=2).producer()
+    for i in range(int(sys.argv[2])):
+        producer.send("t", f"k{i % 7}", b"%d" % i)
+    print("sent", flush=True)
+    time.sleep(60)  # killed before any flush
+    """
+)
+
+
+def test_send_is_visible_at_once_and_survives_a_killed_producer_flush_syncs(tmp_path: Path) -> None:
+    root = tmp_path / "bus"
+    proc = subprocess.Popen([sys.executable, "-c", _SENDER_NO_FLUSH, str(root), "500"], cwd=REPO,
+                            env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "sent"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(10)
+    consumer = LocalLogBus(root, partitions=2).consumer("g", ["t"])
+    got = _drain(consumer, 500)
+    consumer.close()
+    assert sorted(int(r.value) for r in got) == list(range(500))
+
+    producer = LocalLogBus(root, partitions=2).producer()
+    producer.send("t", "k", b"x")
+    writers = list(producer._writers.values())
+    assert any(w.dirty for w in writers)  # written, not yet fsync'd
+    producer.flush()
+    assert not any(w.dirty for w in writers)  # one fsync per partition file, per flush
+    producer.close()
