@@ -9,7 +9,8 @@ soon as the last one answered, for ``--seconds`` per level after a warm-up.
 Per level it reports p50/p99 latency direct and through the gateway, the added latency (gateway
 percentile minus direct percentile), and both throughputs. After the last level the gateway gets
 SIGTERM (it drains and ships its spool), then the generations topic is read back: the capture
-ratio is (distinct generation events on the bus whose id a client received) / (responses received);
+ratio is (distinct generation events on the bus whose id a client received) / (responses received,
+warm-up included);
 ``duplicates`` counts records of one event beyond the first (consumers dedup by event id),
 ``orphans`` counts events whose id no client received.
 
@@ -63,6 +64,8 @@ def percentile(values: list[float], q: float) -> float:
 
 async def _connection(port: int, request: bytes, deadline: float, record: bool,
                       latencies: list[float], generations: list[str], errors: list[str]) -> None:
+    """One keep-alive connection sending requests back to back; ``record`` False (warm-up) keeps
+    only the generation ids."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     try:
         while time.perf_counter() < deadline:
@@ -79,14 +82,14 @@ async def _connection(port: int, request: bytes, deadline: float, record: bool,
                     generation = value.strip().decode()
             await reader.readexactly(length)
             elapsed = time.perf_counter() - start
+            if status == 200 and generation is not None:
+                generations.append(generation)
             if not record:
                 continue
             if status != 200:
                 errors.append(str(status))
                 continue
             latencies.append(elapsed)
-            if generation is not None:
-                generations.append(generation)
     finally:
         writer.close()
 
@@ -100,7 +103,7 @@ async def _load(port: int, concurrency: int, seconds: float, warmup_s: float) ->
     errors: list[str] = []
     if warmup_s:
         deadline = time.perf_counter() + warmup_s
-        await asyncio.gather(*(_connection(port, request, deadline, False, [], [], [])
+        await asyncio.gather(*(_connection(port, request, deadline, False, [], generations, [])
                                for _ in range(concurrency)))
     start = time.perf_counter()
     deadline = start + seconds
@@ -108,6 +111,7 @@ async def _load(port: int, concurrency: int, seconds: float, warmup_s: float) ->
                            for _ in range(concurrency)))
     wall = time.perf_counter() - start
     return {"latencies": latencies, "generations": generations, "errors": errors, "rps": len(latencies) / wall}
+
 
 
 def load(port: int, concurrency: int, seconds: float, warmup_s: float = 1.0) -> dict[str, Any]:
@@ -149,6 +153,12 @@ def start_gateway(port: int, upstream_port: int, data_dir: Path, env: dict[str, 
     )
     _wait_http(f"http://127.0.0.1:{port}/health")
     return proc
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU a process has used so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def stop(proc: subprocess.Popen, timeout_s: float = 60.0) -> int:
@@ -205,7 +215,11 @@ def run(levels: list[int], seconds: float, delay_ms: float, env: dict[str, str])
             try:
                 for concurrency in levels:
                     direct = load(upstream_port, concurrency, seconds)
-                    through = load(gateway_port, concurrency, seconds)
+                    warm = load(gateway_port, concurrency, 1.0, warmup_s=0)  # its responses count for capture
+                    received += warm["generations"]
+                    cpu_before = cpu_seconds(gateway.pid)
+                    through = load(gateway_port, concurrency, seconds, warmup_s=0)
+                    cpu = cpu_seconds(gateway.pid) - cpu_before
                     received += through["generations"]
                     errors += len(through["errors"]) + len(direct["errors"])
                     row = {
@@ -217,6 +231,7 @@ def run(levels: list[int], seconds: float, delay_ms: float, env: dict[str, str])
                         "direct_rps": direct["rps"],
                         "gateway_rps": through["rps"],
                         "responses": len(through["latencies"]),
+                        "gateway_cpu_us_per_request": cpu / max(1, len(through["latencies"])) * 1e6,
                         "errors": len(through["errors"]),
                     }
                     row["added_p50_ms"] = row["gateway_p50_ms"] - row["direct_p50_ms"]
@@ -229,7 +244,7 @@ def run(levels: list[int], seconds: float, delay_ms: float, env: dict[str, str])
             stop(upstream, 10)
         events = captured(data_dir, env)
     got = set(received)
-    persisted_once = sum(1 for g in got if g in events)
+    persisted_once = sum(1 for g in got if len(set(events.get(g, ()))) == 1)
     return {
         "delay_ms": delay_ms,
         "seconds_per_level": seconds,
@@ -247,13 +262,13 @@ def run(levels: list[int], seconds: float, delay_ms: float, env: dict[str, str])
 
 
 HEADER = (f"{'conc':>4} {'direct p50':>10} {'p99':>7} {'gateway p50':>11} {'p99':>7} {'added p50':>9} "
-          f"{'p99':>7} {'direct rps':>10} {'gw rps':>7}")
+          f"{'p99':>7} {'direct rps':>10} {'gw rps':>7} {'gw cpu us/req':>13}")
 
 
 def _row(r: dict[str, Any]) -> str:
     return (f"{r['concurrency']:>4} {r['direct_p50_ms']:>10.2f} {r['direct_p99_ms']:>7.2f} {r['gateway_p50_ms']:>11.2f} "
             f"{r['gateway_p99_ms']:>7.2f} {r['added_p50_ms']:>9.2f} {r['added_p99_ms']:>7.2f} "
-            f"{r['direct_rps']:>10.0f} {r['gateway_rps']:>7.0f}")
+            f"{r['direct_rps']:>10.0f} {r['gateway_rps']:>7.0f} {r['gateway_cpu_us_per_request']:>13.0f}")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -39,7 +39,6 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
-import aiohttp
 import orjson
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -54,6 +53,7 @@ from serving.gateway.auth import KeyStore, Ownership, Principal, require_admin
 from serving.gateway.routing import Router, new_session_version
 from serving.gateway.shipper import Capture, CaptureFull, bus_producer_factory
 from serving.gateway.state import GatewayState, StateUnavailable, make_state
+from serving.gateway.upstream import Pool, Response as UpstreamResponse, UpstreamError
 from serving.protocol import (
     GENERATION_HEADER,
     MODEL_VERSION_HEADER,
@@ -127,9 +127,6 @@ class PinRequest(BaseModel):
     version: int | None = Field(None, ge=0, le=2**31 - 1)
 
 
-_UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError)
-
-
 class Gateway:
     """The serving class behind the routes; its clients are opened by :meth:`start`."""
 
@@ -143,8 +140,7 @@ class Gateway:
         self.keys: KeyStore | None = None
         self.ownership: Ownership
         self.router: Router
-        self.http: aiohttp.ClientSession
-        self.timeout = aiohttp.ClientTimeout(total=settings.gateway.upstream_timeout_s)
+        self.http = Pool(settings.gateway.upstream_timeout_s)
 
     # Lifecycle ---------------------------------------------------------------------------------
 
@@ -172,9 +168,7 @@ class Gateway:
         stack.callback(live.close)
         self.router = Router(settings, sessions, live, self.state.get_pins)
         stack.push_async_callback(self.router.close)
-        connector = aiohttp.TCPConnector(limit=512, limit_per_host=256, keepalive_timeout=30)
-        self.http = aiohttp.ClientSession(connector=connector, timeout=self.timeout, auto_decompress=True)
-        stack.push_async_callback(self.http.close)
+        stack.callback(self.http.close)
 
     async def stop(self) -> None:
         await self._cleanup.aclose()
@@ -267,17 +261,20 @@ class Gateway:
             headers[MODEL_VERSION_HEADER] = str(call.version)
         return headers
 
-    async def post(self, call: _Call) -> aiohttp.ClientResponse:
+    async def post(self, call: _Call) -> UpstreamResponse:
         """Send the call upstream (once more on another version if the node dropped the session's)."""
         for attempt in (0, 1):
             url = f"{self.router.upstream_for(call.version)}{call.path}"
             try:
-                response = await self.http.post(url, data=call.upstream_body, headers=self.upstream_headers(call))
-            except _UPSTREAM_ERRORS as exc:
-                raise APIError(502, f"upstream {url} failed: {type(exc).__name__}", code="upstream_unreachable") from None
+                response = await self.http.post(url, call.upstream_body, self.upstream_headers(call))
+            except UpstreamError as exc:
+                raise APIError(502, f"upstream {url} failed: {exc}", code="upstream_unreachable") from None
             if response.status == 409 and attempt == 0:
-                if _error_code(await response.read()) == "version_unavailable" and await self.repin(call):
-                    response.release()
+                try:
+                    code = _error_code(await response.read())
+                except UpstreamError as exc:
+                    raise APIError(502, f"upstream {url} broke off: {exc}", code="upstream_error") from None
+                if code == "version_unavailable" and await self.repin(call):
                     continue
             return response
         raise AssertionError("unreachable")
@@ -287,10 +284,8 @@ class Gateway:
         response = await self.post(call)
         try:
             raw = await response.read()
-        except _UPSTREAM_ERRORS as exc:
-            raise APIError(502, f"upstream response broke off: {type(exc).__name__}", code="upstream_error") from None
-        finally:
-            response.release()
+        except UpstreamError as exc:
+            raise APIError(502, f"upstream response broke off: {exc}", code="upstream_error") from None
         upstream_s = time.perf_counter() - upstream_start
         if response.status >= 400:
             raise _upstream_error(response.status, raw, call.headers)
@@ -323,12 +318,9 @@ class Gateway:
         if call.version is None:  # nothing to follow yet: the session stays on what served it
             await self.state.pin_session(call.tenant, call.session_id, served.model_version,
                                          self.settings.gateway.session_ttl_s)
-        accepted, _ = await asyncio.gather(
-            self.submit([event], call.headers),
-            self.state.record_generation(call.generation_id, call.tenant, call.session_id,
-                                         self.settings.gateway.ownership_ttl_s),
-        )
-        if accepted:
+        await self.state.record_generation(call.generation_id, call.tenant, call.session_id,
+                                           self.settings.gateway.ownership_ttl_s)
+        if await self.submit([event], call.headers):
             self.metrics.generations.labels(version).inc()
 
     async def submit(self, events: list[Any], headers: dict[str, str]) -> bool:
@@ -386,9 +378,9 @@ class Gateway:
         except _UpstreamStreamError as exc:
             upstream.release()
             raise _stream_failure(exc, call.headers) from None
-        except _UPSTREAM_ERRORS as exc:
+        except UpstreamError as exc:
             upstream.release()
-            raise APIError(502, f"upstream stream broke off: {type(exc).__name__}", code="upstream_error",
+            raise APIError(502, f"upstream stream broke off: {exc}", code="upstream_error",
                            headers=call.headers) from None
         except BaseException:
             upstream.release()
@@ -409,7 +401,7 @@ class Gateway:
                 response_body, served = assembler.finish()
                 await self.record_generation(call, response_body, served, time.perf_counter() - upstream_start)
                 yield SSE_DONE
-            except (APIError, capture.CaptureError, _UpstreamStreamError, *_UPSTREAM_ERRORS) as exc:
+            except (APIError, capture.CaptureError, _UpstreamStreamError, UpstreamError) as exc:
                 error = _stream_failure(exc, {})
                 self.metrics.stream_errors.inc()
                 log.warning("stream %s failed, nothing recorded: %s", call.generation_id, error.code or error.type)
@@ -482,11 +474,11 @@ class Gateway:
         ]})
 
 
-async def _lines(response: aiohttp.ClientResponse) -> AsyncIterator[str]:
+async def _lines(response: UpstreamResponse) -> AsyncIterator[str]:
     """The lines of a response body without their line endings; no line-length limit (a chunk may
     carry a long prompt's token ids)."""
     pending = b""
-    async for data in response.content.iter_any():
+    async for data in response.chunks():
         pending += data
         *whole, pending = pending.split(b"\n")
         for line in whole:
@@ -519,7 +511,7 @@ def _stream_failure(exc: BaseException, headers: dict[str, str]) -> APIError:
         code = err.get("code") if isinstance(err, dict) else None
         return APIError(502, f"upstream failed mid-stream: {message or err!r}",
                         code=code if isinstance(code, str) else "upstream_error", headers=headers)
-    return APIError(502, f"upstream stream broke off: {type(exc).__name__}", code="upstream_error", headers=headers)
+    return APIError(502, f"upstream stream broke off: {exc}", code="upstream_error", headers=headers)
 
 
 def _upstream_error(status: int, raw: bytes, headers: dict[str, str]) -> APIError:

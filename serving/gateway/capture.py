@@ -119,7 +119,7 @@ def _is_number(value: Any) -> bool:
 
 
 def _is_int_list(value: Any) -> bool:
-    return isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+    return type(value) is list and all(type(v) is int for v in value)  # not bool, not a subclass
 
 
 def sampling_params(request: Request) -> SamplingParams:

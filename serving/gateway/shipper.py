@@ -265,11 +265,12 @@ class Capture:
         self._broken_until = 0.0
         for topic, *_ in items:
             self._counter(topic).inc()
-        self._ship_wake.set()
-        self._sync_wake.set()
+        # Wake the shipper and the syncer once this step of the event loop is done (the response
+        # is written by then): their Python work would otherwise hold the GIL the request needs.
+        loop = asyncio.get_running_loop()
+        loop.call_soon(self._wake)
         if self.ack_mode == "written":
             return True
-        loop = asyncio.get_running_loop()
         future: asyncio.Future[bool] = loop.create_future()
         with self._waiters_lock:
             durable = self.spool.synced if self.ack_mode == "fsynced" else self.spool.cursor
@@ -277,6 +278,10 @@ class Capture:
                 return True
             (self._fsync_waiters if self.ack_mode == "fsynced" else self._bus_waiters).append((end, loop, future))
         return await future
+
+    def _wake(self) -> None:
+        self._ship_wake.set()
+        self._sync_wake.set()
 
     def depth(self) -> dict[str, Any]:
         oldest = self.spool.oldest_ms
