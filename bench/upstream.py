@@ -2,8 +2,9 @@
 vLLM's (token ids, prompt token ids, per-token logprobs, the version in ``X-Flywheel-Model-Version``),
 served by a bare asyncio HTTP/1.1 server so that it costs as little CPU as possible.
 
-It answers ``POST /v1/chat/completions`` and ``POST /v1/completions`` (plain or ``stream: true``),
-and ``GET /v1/models``; ``delay_ms`` holds every completion that long (a model's decode time).
+It answers ``POST /v1/chat/completions`` and ``POST /v1/completions`` (plain or ``stream: true``;
+a chat request that offers ``tools`` gets a call to the first one, as a tool-parsing server returns
+it), and ``GET /v1/models``; ``delay_ms`` holds every completion that long (a model's decode time).
 Every response is a fresh ``id``; the payload sizes follow ``prompt_tokens`` / ``completion_tokens``.
 
 Run it alone: ``python -m bench.upstream --port 9100 --delay-ms 0``.
@@ -33,10 +34,29 @@ class CannedUpstream:
         self.text = " ".join(f"w{t}" for t in self.token_ids)
         self._ids = itertools.count()
         self.served = 0
+        self.last_request: dict = {}
 
     # Bodies --------------------------------------------------------------------------------------
 
-    def chat(self) -> dict:
+    def tool_call(self, request: dict) -> dict | None:
+        """The call a tool-parsing server (vLLM ``--tool-call-parser``) returns when the request
+        offers tools: the first function, with fixed arguments."""
+        tools = request.get("tools")
+        if not tools or not isinstance(tools, list) or request.get("tool_choice") == "none":
+            return None
+        name = (tools[0].get("function") or {}).get("name", "tool") if isinstance(tools[0], dict) else "tool"
+        return {"id": f"call-{next(self._ids)}", "type": "function",
+                "function": {"name": name, "arguments": '{"letters": "q w e"}'}}
+
+    def chat(self, call: dict | None = None) -> dict:
+        body = self._chat()
+        if call is not None:
+            choice = body["choices"][0]
+            choice["finish_reason"] = "tool_calls"
+            choice["message"] = {"role": "assistant", "content": None, "tool_calls": [call]}
+        return body
+
+    def _chat(self) -> dict:
         return {
             "id": f"chatcmpl-{next(self._ids)}", "object": "chat.completion", "created": 0, "model": MODEL,
             "model_version": self.version, "prompt_token_ids": self.prompt_ids,
@@ -65,18 +85,27 @@ class CannedUpstream:
         n, m = len(self.prompt_ids), len(self.token_ids)
         return {"prompt_tokens": n, "completion_tokens": m, "total_tokens": n + m}
 
-    def chunks(self, chat: bool) -> Iterator[dict]:
-        """A stream as vLLM sends it: prompt ids first, a token per chunk, finish, then usage."""
+    def chunks(self, chat: bool, call: dict | None = None) -> Iterator[dict]:
+        """A stream as vLLM sends it: prompt ids first, a token per chunk, finish, then usage; with
+        a tool ``call``, its name on the first chunk and its arguments spread over the others."""
         base = {"id": f"chatcmpl-{next(self._ids)}", "created": 0, "model": MODEL, "model_version": self.version,
                 "object": "chat.completion.chunk" if chat else "text_completion"}
         for i, (t, lp) in enumerate(zip(self.token_ids, self.logprobs)):
             last = i == len(self.token_ids) - 1
             if chat:
-                choice = {"index": 0, "delta": {"content": f"w{t} "} | ({"role": "assistant"} if i == 0 else {}),
+                delta: dict = {"content": f"w{t} "}
+                if call is not None:
+                    args = call["function"]["arguments"]
+                    part = args[i * len(args) // len(self.token_ids):(i + 1) * len(args) // len(self.token_ids)]
+                    function = {"arguments": part} | ({"name": call["function"]["name"]} if i == 0 else {})
+                    delta = {"tool_calls": [{"index": 0, "function": function}
+                                            | ({"id": call["id"], "type": "function"} if i == 0 else {})]}
+                choice = {"index": 0, "delta": delta | ({"role": "assistant"} if i == 0 else {}),
                           "logprobs": {"content": [{"token": f"w{t}", "logprob": lp, "bytes": None, "top_logprobs": []}]}}
             else:
                 choice = {"index": 0, "text": f"w{t} ", "logprobs": {"tokens": [f"w{t}"], "token_logprobs": [lp]}}
-            choice |= {"token_ids": [t], "finish_reason": "stop" if last else None}
+            finish = ("tool_calls" if call is not None else "stop") if last else None
+            choice |= {"token_ids": [t], "finish_reason": finish}
             chunk = base | {"choices": [choice]}
             if i == 0:
                 chunk["prompt_token_ids"] = self.prompt_ids
@@ -116,16 +145,18 @@ class CannedUpstream:
         if self.delay_s:
             await asyncio.sleep(self.delay_s)
         self.served += 1
+        self.last_request = request
         chat = path == "/v1/chat/completions"
+        call = self.tool_call(request) if chat else None
         if request.get("stream"):
             head = "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n"
             head += "".join(f"{k}: {v}\r\n" for k, v in headers.items())
             writer.write(head.encode() + b"\r\n")
-            for chunk in self.chunks(chat):
+            for chunk in self.chunks(chat, call):
                 writer.write(_chunked(b"data: " + json.dumps(chunk).encode() + b"\n\n"))
             writer.write(_chunked(b"data: [DONE]\n\n") + b"0\r\n\r\n")
             return None
-        return self.send(writer, 200, self.chat() if chat else self.text_completion(), headers)
+        return self.send(writer, 200, self.chat(call) if chat else self.text_completion(), headers)
 
     @staticmethod
     def send(writer: asyncio.StreamWriter, status: int, body: dict, headers: dict | None = None) -> None:
