@@ -8,9 +8,6 @@ plus its own edge cases for headers and paths.
 
 from __future__ import annotations
 
-import threading
-
-import httpx
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, given
@@ -19,8 +16,7 @@ from hypothesis import settings as hypothesis_settings
 from bench.upstream import running
 from flywheel.settings import load_settings
 from serving.gateway.app import create_app
-from serving.server import bind, serve
-from tests.fixtures.roles import free_port, wait_until
+from tests.fixtures.roles import free_port, served_app
 
 pytestmark = pytest.mark.integration
 
@@ -34,17 +30,8 @@ def gateway_url(tmp_path_factory):
             bus={"kind": "local", "partitions": 1, "topic_prefix": "fuzz."},
             gateway={"upstream": f"http://127.0.0.1:{port}", "max_body_bytes": 65_536},
         )
-        stop, sock = threading.Event(), bind("127.0.0.1", 0)
-        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        thread = threading.Thread(target=serve, args=(create_app(settings),), daemon=True,
-                                  kwargs={"host": "127.0.0.1", "port": 0, "stop": stop, "sock": sock})
-        thread.start()
-        try:
-            wait_until("the gateway", lambda: httpx.get(f"{url}/health", timeout=2).status_code == 200)
+        with served_app(create_app(settings)) as url:
             yield url
-        finally:
-            stop.set()
-            thread.join(timeout=30)
 
 
 def test_no_input_makes_the_gateway_fail(gateway_url):

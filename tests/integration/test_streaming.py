@@ -26,8 +26,7 @@ from flywheel.bus import make_bus
 from flywheel.events import GenerationEvent
 from flywheel.settings import Settings, load_settings
 from flywheel.tinymodel import sampling
-from serving.server import bind, serve
-from tests.fixtures.roles import MESSAGES, RoleThread, free_port, wait_until
+from tests.fixtures.roles import MESSAGES, RefusingProducer, RoleThread, free_port, served_app, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -323,19 +322,8 @@ def faulty_upstream_app() -> FastAPI:
 
 @contextlib.contextmanager
 def faulty_upstream() -> Iterator[str]:
-    stop = threading.Event()
-    sock = bind("127.0.0.1", 0)
-    port = sock.getsockname()[1]
-    thread = threading.Thread(target=serve, args=(faulty_upstream_app(),),
-                              kwargs={"host": "127.0.0.1", "port": port, "stop": stop, "sock": sock}, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_until("the faulty upstream", lambda: httpx.get(f"{url}/nowhere", timeout=2).status_code == 404)
+    with served_app(faulty_upstream_app(), ready_path="/nowhere") as url:
         yield url
-    finally:
-        stop.set()
-        thread.join(timeout=10)
 
 
 @pytest.fixture(scope="module")
@@ -397,43 +385,24 @@ def test_a_stream_whose_event_cannot_be_spooled_ends_in_an_error_event(tmp_path)
     from bench.upstream import running
     from serving.gateway.app import create_app
 
-    class Refusing:
-        def send(self, *args: Any, **kwargs: Any) -> None:
-            raise ConnectionError("broker refused")
-
-        def flush(self, timeout_s: float | None = None) -> None:
-            raise ConnectionError("broker refused")
-
-        def close(self, timeout_s: float | None = None) -> None:
-            pass
-
     upstream_port = free_port()
     with running(upstream_port, delay_ms=400):
         settings = load_settings(data_dir=str(tmp_path), bus={"kind": "local", "topic_prefix": "refuse."}, gateway={
             "upstream": f"http://127.0.0.1:{upstream_port}", "spool_max_bytes": 65_536, "spool_full": "reject"})
-        stop, sock = threading.Event(), bind("127.0.0.1", 0)
-        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        thread = threading.Thread(target=serve, args=(create_app(settings, producer_factory=Refusing),), daemon=True,
-                                  kwargs={"host": "127.0.0.1", "port": 0, "stop": stop, "sock": sock})
-        thread.start()
-        try:
-            wait_until("the gateway", lambda: httpx.get(f"{url}/health", timeout=2).status_code == 200)
-            with httpx.Client(timeout=30) as client, ThreadPoolExecutor(1) as pool:
-                first = client.post(f"{url}/v1/chat/completions", json={"messages": MESSAGES},
-                                    headers={"X-Flywheel-Session": "s-full"})
-                assert first.status_code == 200, first.text
-                streamed = pool.submit(stream, client, f"{url}/v1/chat/completions",
-                                       {"messages": MESSAGES, "stream": True})
-                items = [{"feedback_id": f"big-{i}", "kind": "explicit", "signal": "comment", "comment": "y" * 9_000}
-                         for i in range(8)]
-                filler = client.post(f"{url}/v1/feedback", json={"feedback": items},
-                                     headers={"X-Flywheel-Session": "s-full"})
-                assert filler.status_code == 202, filler.text
-                r, events = streamed.result()
-                assert client.get(f"{url}/admin/capture").json()["bytes"] >= 65_536
-        finally:
-            stop.set()
-            thread.join(timeout=10)
+        with served_app(create_app(settings, producer_factory=RefusingProducer)) as url, \
+                httpx.Client(timeout=30) as client, ThreadPoolExecutor(1) as pool:
+            first = client.post(f"{url}/v1/chat/completions", json={"messages": MESSAGES},
+                                headers={"X-Flywheel-Session": "s-full"})
+            assert first.status_code == 200, first.text
+            streamed = pool.submit(stream, client, f"{url}/v1/chat/completions",
+                                   {"messages": MESSAGES, "stream": True})
+            items = [{"feedback_id": f"big-{i}", "kind": "explicit", "signal": "comment", "comment": "y" * 9_000}
+                     for i in range(8)]
+            filler = client.post(f"{url}/v1/feedback", json={"feedback": items},
+                                 headers={"X-Flywheel-Session": "s-full"})
+            assert filler.status_code == 202, filler.text
+            r, events = streamed.result()
+            assert client.get(f"{url}/admin/capture").json()["bytes"] >= 65_536
     assert r.status_code == 200 and "[DONE]" not in events
     assert all("choices" in e for e in events[:-1]) and len(events) > 1
     assert events[-1]["error"]["code"] == "capture_unavailable" and "retry" in events[-1]["error"]["message"]

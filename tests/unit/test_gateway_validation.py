@@ -19,7 +19,7 @@ from flywheel.bus import make_bus
 from flywheel.events import FeedbackEvent, feedback_event_id
 from flywheel.settings import load_settings
 from serving.gateway.app import create_app
-from tests.fixtures.roles import free_port, wait_until
+from tests.fixtures.roles import RefusingProducer, free_port, wait_until
 
 pytestmark = pytest.mark.unit
 
@@ -233,26 +233,13 @@ def test_unreachable_upstream_is_a_502_and_nothing_is_captured(tmp_path):
     bus.close()
 
 
-class _RefusingProducer:
-    """A bus producer whose broker refuses everything (the spool must hold the events)."""
-
-    def send(self, *args: Any, **kwargs: Any) -> None:
-        raise ConnectionError("broker refused")
-
-    def flush(self, timeout_s: float | None = None) -> None:
-        raise ConnectionError("broker refused")
-
-    def close(self, timeout_s: float | None = None) -> None:
-        pass
-
-
 @pytest.mark.parametrize("policy", ["reject", "drop"])
 def test_a_full_spool_applies_its_policy(tmp_path, upstream, policy):
     """The bus refuses everything, so the spool fills; then ``reject`` answers 503 before calling
     the upstream and ``drop`` keeps serving and counts each lost event."""
     settings = load_settings(data_dir=str(tmp_path), gateway={
         "upstream": upstream.url, "spool_max_bytes": 65_536, "spool_full": policy, "drain_timeout_s": 0})
-    with TestClient(create_app(settings, producer_factory=_RefusingProducer)) as client:
+    with TestClient(create_app(settings, producer_factory=RefusingProducer)) as client:
         statuses = [client.post(CHAT, json={"messages": GOOD_MESSAGES}).status_code for _ in range(40)]
         depth = client.get("/admin/capture").json()
         metrics = client.get("/metrics").text
