@@ -86,6 +86,13 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--port", type=int)
         if role == "gateway":
             p.add_argument("--upstream", help="OpenAI-compatible base URL to front (default: the local node)")
+        if role == "rewards":  # no action: the worker; rewards/rescore.py does the other two
+            p.add_argument("action", nargs="?", choices=["rescore", "report"],
+                           help="rescore: rebuild scores from stored trajectories under --spec (no bus); "
+                                "report: per-version training/held-out reward rates and anomaly flags")
+            p.add_argument("--spec", help="rescore: the reward spec TOML to score with")
+            p.add_argument("--spec-version", help="report: only this spec version")
+            p.add_argument("--json", action="store_true", help="report: print JSON")
 
     up = sub.add_parser("up", help="run every role on this machine (embedded defaults)")
     up.add_argument("--port", type=int, help="gateway port (default 8000)")
@@ -151,6 +158,8 @@ def dispatch(args: argparse.Namespace, settings: Settings) -> int:
 
         print(ensure_default_model(settings.data_path / "models", quick=args.quick))
         return 0
+    if command == "rewards" and args.action:
+        return resolve("rewards.rescore:main")(args, settings)
     if command in ROLES:
         resolve(ROLES[command])(settings, stop_on_signals())
         return 0

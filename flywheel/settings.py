@@ -36,7 +36,10 @@ class BusSettings(_Section):
     session_timeout_ms: int = Field(10_000, ge=1_000)
     heartbeat_interval_ms: int = Field(1_000, ge=100)
     max_poll_interval_ms: int = Field(300_000, ge=1_000)
-    compression: Literal["none", "gzip", "zstd", "lz4", "snappy"] = "gzip"
+    #: The longest a fetch waits at the broker for records. Kafka answers as soon as records
+    #: arrive; a broker that holds the fetch to the end adds up to this much latency per stage.
+    fetch_max_wait_ms: int = Field(100, ge=0, le=30_000)
+    compression: Literal["none", "gzip", "zstd", "lz4", "snappy"] = "lz4"
 
 
 class DatabaseSettings(_Section):
@@ -134,22 +137,42 @@ class NodeSettings(_Section):
 
 
 class IngestSettings(_Section):
-    #: A session with no new event for this long is closed and emitted as a trajectory.
+    #: A session with no new event for this long is closed and emitted as a trajectory (by the
+    #: worker that owns its generations partition).
     inactivity_timeout_s: float = Field(30.0, gt=0)
-    #: Feedback arriving this long after its trajectory closed is stored and counted, not re-emitted.
+    #: A session still open this long after its last event is closed by any worker (its partition
+    #: has no live owner, or its topic has a partition count other than ``bus.partitions``);
+    #: unset: 10 x ``inactivity_timeout_s``.
+    orphan_timeout_s: float | None = Field(None, gt=0)
+    #: Feedback this long after its trajectory's newest event (event time) is stored and counted
+    #: as expired, not re-emitted; earlier late feedback re-opens the trajectory (revision + 1).
     late_horizon_s: float = Field(3600.0, ge=0)
+    #: Generations this worker stored are kept decoded, up to this many tokens (prompt +
+    #: completion, about 40 bytes each), so closing a session rarely reads its payloads back from
+    #: the database; 0 turns the cache off.
+    cache_tokens: int = Field(2_000_000, ge=0)
+
+    @model_validator(mode="after")
+    def _orphans_after_inactivity(self) -> "IngestSettings":
+        if self.orphan_timeout_s is not None and self.orphan_timeout_s < self.inactivity_timeout_s:
+            raise ValueError("ingest.orphan_timeout_s must be at least ingest.inactivity_timeout_s")
+        return self
+
+    @property
+    def orphan_after_s(self) -> float:
+        return self.orphan_timeout_s if self.orphan_timeout_s is not None else 10 * self.inactivity_timeout_s
 
 
 class RewardSettings(_Section):
-    spec_version: str = "explicit-outcome-v1"
-    thumbs_up: float = 1.0
-    thumbs_down: float = -1.0
-    outcome_success: float = 1.0
-    outcome_failure: float = 0.0
-    retry_penalty: float = -0.5
-    abandon_penalty: float = -0.5
-    #: Discount applied to the session outcome for each turn before the last.
-    outcome_discount: float = Field(0.5, ge=0, le=1)
+    #: The reward spec (a TOML file, see rewards/spec.py); empty means the built-in default spec
+    #: (rewards/specs/default.toml). What rewards are worth lives in the spec, not here.
+    spec_path: str = ""
+    #: Bearer token for the LLM judge's endpoint when the spec enables one (never in the spec file).
+    #: A plain string like ``db.url``: ``flywheel up`` hands its children the effective settings.
+    judge_api_key: str = ""
+    #: At start the worker rebuilds its normalisation statistics from this many newest scored rows
+    #: of its spec version (the statistics are not persisted; see rewards/normalise.py).
+    restore_rows: int = Field(5000, ge=0)
 
 
 class TrainerSettings(_Section):
@@ -249,6 +272,12 @@ class Settings(BaseSettings):
     def topic(self, name: str) -> str:
         """Full topic name for one of: generations, feedback, trajectories, scored, versions."""
         return f"{self.bus.topic_prefix}{name}"
+
+    def group(self, stage: str) -> str:
+        """The Kafka consumer group of a stage (``ingest``, ``rewards``, ``trainer``), under the topic
+        prefix: deployments sharing a cluster under different prefixes never share a group (a group
+        rebalances all its members together, whatever topics they read)."""
+        return f"{self.bus.topic_prefix}{stage}"
 
 
 _READ_ENV: contextvars.ContextVar[bool] = contextvars.ContextVar("flywheel_read_env", default=True)

@@ -82,13 +82,18 @@ def build_segments(generations: Sequence[GenerationEvent]) -> list[Segment]:
             current.add(prompt, trainable=False)
         start = len(current.tokens)
         current.add(completion, trainable=True, logprobs=[float(x) for x in gen.completion_logprobs])
-        current.turns.append(
-            Turn(
-                generation_id=gen.generation_id, start=start, end=len(current.tokens),
-                behaviour_version=gen.model_version, temperature=gen.sampling.temperature, top_p=gen.sampling.top_p,
-            )
-        )
+        current.turns.append(turn_of(gen, start, len(current.tokens)))
     return [segment.freeze() for segment in segments]
+
+
+def turn_of(gen: GenerationEvent, start: int, end: int) -> Turn:
+    """The turn ``gen`` becomes; raises ``ValueError`` (pydantic's) for sampling a trajectory cannot
+    carry (a negative temperature, ``top_p`` outside (0, 1]), so ingest can dead-letter such a
+    generation instead of failing every later close of its session."""
+    return Turn(
+        generation_id=gen.generation_id, start=start, end=end,
+        behaviour_version=gen.model_version, temperature=gen.sampling.temperature, top_p=gen.sampling.top_p,
+    )
 
 
 def assemble(

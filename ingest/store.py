@@ -1,8 +1,17 @@
 """Ingest's data access: raw events, session state and trajectories, as small functions over a Session.
 
 No function commits: the worker owns the transaction, so one polled batch is persisted (or not)
-as a whole. Raw events are inserted with ``insert_ignore``, so a replayed event is a no-op and the
-functions say whether a row was new.
+as a whole. Raw events are inserted with ``ON CONFLICT DO NOTHING ... RETURNING``, so a replayed
+event is a no-op and the caller learns which events were new.
+
+Concurrency: several ingest workers (processes) share the database. Every change to a session
+happens while its ``sessions`` row is locked (:func:`lock_sessions`: ``SELECT .. FOR UPDATE`` in
+(tenant, session_id) order, so two batches never deadlock on each other; on SQLite the whole
+transaction holds the database's write lock from ``BEGIN IMMEDIATE``). What a worker reads about
+a locked session - its state, its stored events - is therefore final until it commits. The
+inactivity sweep and the outbox take only rows nobody holds (``SKIP LOCKED``) and never wait.
+Locked sessions are read into :class:`State` records, changed in memory and written back in one
+statement (:func:`save_sessions`), so a batch costs a handful of statements, not a few per event.
 
 Session status machine (``sessions.status``)::
 
@@ -11,27 +20,36 @@ Session status machine (``sessions.status``)::
       └────────────────────────────────────┴───────────┘
 
 ``closing`` is the outbox: the trajectory row of ``sessions.revision`` is committed but not yet
-known to be on the bus. ``closed_at`` is the time of the latest close and is never cleared, so a
-session that was closed before re-closes with ``revision + 1``; the late-feedback horizon counts
-from it.
+known to be on the bus. ``closed_at`` is the event time of the latest close (the newest event in
+that trajectory) and is never cleared, so a session that was closed before re-closes with
+``revision + 1``, and the late-feedback horizon counts from it in event time, whatever the lag.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, fields
 from datetime import datetime
-from sqlalchemy import select, update
+from typing import Any
+
+from sqlalchemy import BigInteger, Integer, String, func, or_, select, tuple_, update
 from sqlalchemy.orm import Session
 
 from flywheel.db.models import Feedback, Generation, SessionState, Trajectory
-from flywheel.db.session import insert_ignore
+from flywheel.db.session import JSONText, insert_ignore
 from flywheel.events import FeedbackEvent, GenerationEvent, TrajectoryEvent
+from ingest.assemble import trajectory_id_for
 
 OPEN, CLOSING, CLOSED, EMPTY = "open", "closing", "closed", "empty"
+Key = tuple[str, str]  # (tenant, session_id)
+
+_INT32 = (-(2**31), 2**31 - 1)
 
 
-def insert_generation(db: Session, event: GenerationEvent) -> bool:
-    """Persist a generation; ``False`` when it (or its generation id) is already stored."""
-    row = {
+def generation_columns(event: GenerationEvent) -> dict[str, Any]:
+    """The ``generations`` row of ``event`` without its payload (what :func:`check_fits` checks)."""
+    return {
         "event_id": event.event_id,
         "generation_id": event.generation_id,
         "tenant": event.tenant,
@@ -40,14 +58,12 @@ def insert_generation(db: Session, event: GenerationEvent) -> bool:
         "model_version": event.model_version,
         "node_id": event.node_id,
         "ts": event.ts,
-        "payload": event.model_dump(mode="json"),
     }
-    return insert_ignore(db, Generation, [row]) == 1
 
 
-def insert_feedback(db: Session, event: FeedbackEvent, state: str) -> bool:
-    """Persist a feedback event in ``state``; ``False`` when it (or its feedback id) is already stored."""
-    row = {
+def feedback_columns(event: FeedbackEvent, state: str = "pending") -> dict[str, Any]:
+    """The ``feedback`` row of ``event`` without its payload (what :func:`check_fits` checks)."""
+    return {
         "event_id": event.event_id,
         "feedback_id": event.feedback_id,
         "tenant": event.tenant,
@@ -58,133 +74,270 @@ def insert_feedback(db: Session, event: FeedbackEvent, state: str) -> bool:
         "value": event.value,
         "ts": event.ts,
         "state": state,
-        "payload": event.model_dump(mode="json"),
     }
-    return insert_ignore(db, Feedback, [row]) == 1
 
 
-def get_session(db: Session, tenant: str, session_id: str) -> SessionState | None:
-    stmt = (
-        select(SessionState)
-        .where(SessionState.tenant == tenant, SessionState.session_id == session_id)
-        .execution_options(populate_existing=True)
-    )
-    return db.execute(stmt).scalar_one_or_none()
+def check_fits(model: type[Any], row: Mapping[str, Any]) -> None:
+    """Raise ``ValueError`` naming the column if ``row`` would not fit ``model``'s table.
 
-
-def touch_session(db: Session, tenant: str, session_id: str, ts: datetime) -> SessionState:
-    """Create the session (open) if new, and move ``last_event_at`` forward to ``ts`` if later."""
-    insert_ignore(
-        db,
-        SessionState,
-        [{"tenant": tenant, "session_id": session_id, "status": OPEN, "last_event_at": ts, "revision": 0}],
-    )
-    db.execute(
-        update(SessionState)
-        .where(SessionState.tenant == tenant, SessionState.session_id == session_id, SessionState.last_event_at < ts)
-        .values(last_event_at=ts)
-        .execution_options(synchronize_session=False)
-    )
-    state = get_session(db, tenant, session_id)
-    assert state is not None
-    return state
-
-
-def set_status(
-    db: Session, tenant: str, session_id: str, *, expect: tuple[str, ...], status: str, revision: int | None = None
-) -> bool:
-    """Move a session to ``status`` if it is in one of ``expect`` (and at ``revision`` when given).
-
-    The conditional update is the claim: of two workers racing on one session, one wins.
+    Checked before the batch is written, so an event the database would refuse (a string longer
+    than its column, an integer outside 32 bits) is dead-lettered instead of failing its batch.
     """
-    stmt = update(SessionState).where(
-        SessionState.tenant == tenant, SessionState.session_id == session_id, SessionState.status.in_(expect)
-    )
-    if revision is not None:
-        stmt = stmt.where(SessionState.revision == revision)
-    result = db.execute(stmt.values(status=status).execution_options(synchronize_session=False))
-    return result.rowcount == 1
+    for column in model.__table__.columns:
+        value = row.get(column.name)
+        if isinstance(value, str) and isinstance(column.type, String) and column.type.length is not None:
+            if len(value) > column.type.length:
+                raise ValueError(f"{column.name} has {len(value)} characters; at most {column.type.length} fit")
+        elif isinstance(value, int) and isinstance(column.type, Integer) and not isinstance(column.type, BigInteger):
+            if not _INT32[0] <= value <= _INT32[1]:
+                raise ValueError(f"{column.name} = {value} does not fit a 32-bit integer")
 
 
-def claim_close(db: Session, state: SessionState, new_revision: int, now: datetime) -> bool:
-    """``state`` (as read) -> ``closing`` at ``new_revision``; ``False`` if it changed meanwhile."""
-    result = db.execute(
-        update(SessionState)
-        .where(
-            SessionState.tenant == state.tenant,
-            SessionState.session_id == state.session_id,
-            SessionState.status == state.status,
-            SessionState.revision == state.revision,
+def _insert(db: Session, model: type[Any]) -> Any:
+    """The dialect's ``INSERT`` for ``model``'s table (Core: one multi-row statement per page)."""
+    dialect = db.get_bind(mapper=model).dialect.name
+    if dialect == "postgresql":
+        from sqlalchemy.dialects.postgresql import insert
+    elif dialect == "sqlite":
+        from sqlalchemy.dialects.sqlite import insert
+    else:
+        raise NotImplementedError(f"ingest does not support the {dialect!r} dialect")
+    return insert(model.__table__)
+
+
+def _insert_new(db: Session, model: type[Any], rows: Sequence[Mapping[str, Any]]) -> set[str]:
+    """Insert ``rows`` skipping any that break a unique key; the ``event_id`` of each new row."""
+    if not rows:
+        return set()
+    stmt = _insert(db, model).on_conflict_do_nothing().returning(model.__table__.c.event_id)
+    return set(db.execute(stmt, [dict(row) for row in rows]).scalars())
+
+
+def insert_generations(db: Session, events: Iterable[GenerationEvent]) -> set[str]:
+    """Persist generations; the event ids of those not stored before (by event or generation id)."""
+    rows = [{**generation_columns(e), "payload": JSONText(e.model_dump_json())} for e in events]
+    return _insert_new(db, Generation, rows)
+
+
+def insert_feedback(db: Session, events: Iterable[tuple[FeedbackEvent, str]]) -> set[str]:
+    """Persist ``(feedback, state)`` pairs; the event ids of those not stored before (by event or feedback id)."""
+    rows = [{**feedback_columns(e, state), "payload": JSONText(e.model_dump_json())} for e, state in events]
+    return _insert_new(db, Feedback, rows)
+
+
+@dataclass
+class State:
+    """One locked ``sessions`` row, changed in memory and written back by :func:`save_sessions`."""
+
+    tenant: str
+    session_id: str
+    status: str
+    last_event_at: datetime
+    closed_at: datetime | None
+    revision: int
+
+    @property
+    def key(self) -> Key:
+        return (self.tenant, self.session_id)
+
+
+_STATE_FIELDS = [f.name for f in fields(State)]
+_STATE = [SessionState.__table__.c[name] for name in _STATE_FIELDS]
+_KEY = tuple_(SessionState.tenant, SessionState.session_id)
+
+
+def _states(db: Session, stmt: Any) -> dict[Key, State]:
+    return {(row.tenant, row.session_id): State(*row) for row in db.execute(stmt)}
+
+
+def lock_sessions(db: Session, first_seen: Mapping[Key, datetime]) -> dict[Key, State]:
+    """Create the sessions not stored yet (open, at their first event), lock them all, in key order."""
+    keys = sorted(first_seen)
+    insert_ignore(db, SessionState, [
+        {"tenant": t, "session_id": s, "status": OPEN, "last_event_at": first_seen[(t, s)], "revision": 0}
+        for t, s in keys
+    ])
+    return _states(db, select(*_STATE).where(_KEY.in_(keys)).order_by(*_KEY.clauses).with_for_update())
+
+
+def save_sessions(db: Session, states: Iterable[State]) -> None:
+    """Write locked sessions back, in one statement (an upsert: the rows exist and are ours)."""
+    rows = [{name: getattr(state, name) for name in _STATE_FIELDS} for state in states]
+    if rows:
+        stmt = _insert(db, SessionState)
+        upsert = stmt.on_conflict_do_update(
+            index_elements=["tenant", "session_id"],
+            set_={name: stmt.excluded[name] for name in ("status", "last_event_at", "closed_at", "revision")},
         )
-        .values(status=CLOSING, revision=new_revision, closed_at=now)
-        .execution_options(synchronize_session=False)
+        # RETURNING makes the driver send one multi-row statement (a page) instead of one per row.
+        db.execute(upsert.returning(SessionState.__table__.c.tenant), rows).all()
+
+
+def inactive_sessions(db: Session, before: datetime, limit: int = 500) -> list[tuple[str, str, datetime]]:
+    """Open sessions whose newest event is older than ``before`` (oldest first), unlocked."""
+    rows = db.execute(
+        select(SessionState.tenant, SessionState.session_id, SessionState.last_event_at)
+        .where(SessionState.status == OPEN, SessionState.last_event_at < before)
+        .order_by(SessionState.last_event_at)
+        .limit(limit)
+    ).all()
+    return [(r.tenant, r.session_id, r.last_event_at) for r in rows]
+
+
+def lock_inactive(db: Session, keys: Sequence[Key], before: datetime) -> dict[Key, State]:
+    """Lock those of ``keys`` still open and inactive since ``before``, skipping any another worker holds."""
+    if not keys:
+        return {}
+    return _states(db, select(*_STATE)
+                   .where(_KEY.in_(sorted(keys)), SessionState.status == OPEN, SessionState.last_event_at < before)
+                   .order_by(*_KEY.clauses)
+                   .with_for_update(skip_locked=True))
+
+
+def latest_outcomes(db: Session, keys: Sequence[Key]) -> dict[Key, datetime]:
+    """The time of each session's newest kept feedback that ended it (outcome or abandon)."""
+    if not keys:
+        return {}
+    rows = db.execute(
+        select(Feedback.tenant, Feedback.session_id, func.max(Feedback.ts))
+        .where(tuple_(Feedback.tenant, Feedback.session_id).in_(sorted(keys)), Feedback.state != "expired",
+               or_(Feedback.kind == "outcome", Feedback.signal == "abandon"))
+        .group_by(Feedback.tenant, Feedback.session_id)
     )
-    return result.rowcount == 1
+    return {(tenant, session_id): ts for tenant, session_id, ts in rows}
 
 
-def session_events(db: Session, tenant: str, session_id: str) -> tuple[list[GenerationEvent], list[FeedbackEvent]]:
-    """The session's stored generations and its non-expired feedback, oldest first."""
-    gens = db.execute(
-        select(Generation.payload)
-        .where(Generation.tenant == tenant, Generation.session_id == session_id)
-        .order_by(Generation.ts, Generation.generation_id)
-    ).scalars()
+class EventCache:
+    """Decoded generations by ``event_id``, least recently used out first, bounded by tokens.
+
+    Sound across workers because a stored generation never changes: a cached event is exactly the
+    payload stored under its ``event_id`` (only events this worker inserted, or read back, go in).
+    """
+
+    def __init__(self, max_tokens: int) -> None:
+        self.max_tokens = max_tokens
+        self.tokens = 0
+        self._events: OrderedDict[str, GenerationEvent] = OrderedDict()
+        self.hits = self.misses = 0
+
+    @staticmethod
+    def _size(event: GenerationEvent) -> int:
+        return len(event.prompt_token_ids) + len(event.completion_token_ids)
+
+    def put(self, event: GenerationEvent) -> None:
+        size = self._size(event)
+        if size > self.max_tokens or event.event_id in self._events:
+            return
+        self._events[event.event_id] = event
+        self.tokens += size
+        while self.tokens > self.max_tokens:
+            _, old = self._events.popitem(last=False)
+            self.tokens -= self._size(old)
+
+    def get(self, event_id: str) -> GenerationEvent | None:
+        event = self._events.get(event_id)
+        if event is None:
+            self.misses += 1
+        else:
+            self.hits += 1
+            self._events.move_to_end(event_id)
+        return event
+
+
+def session_events(
+    db: Session, keys: Sequence[Key], cache: EventCache | None = None
+) -> dict[Key, tuple[list[GenerationEvent], list[FeedbackEvent]]]:
+    """Each session's stored generations and its non-expired feedback, oldest first. Generations
+    in ``cache`` are taken from it; only the others' payloads are read (and then cached)."""
+    out: dict[Key, tuple[list[GenerationEvent], list[FeedbackEvent]]] = {key: ([], []) for key in keys}
+    if not keys:
+        return out
+    wanted = tuple_(Generation.tenant, Generation.session_id).in_(sorted(keys))
+    listed = db.execute(select(Generation.tenant, Generation.session_id, Generation.event_id)
+                        .where(wanted).order_by(Generation.ts, Generation.generation_id)).all()
+    found = {event_id: cache.get(event_id) for _, _, event_id in listed} if cache is not None else {}
+    missing = [event_id for _, _, event_id in listed if found.get(event_id) is None]
+    if missing:
+        for event_id, payload in db.execute(select(Generation.event_id, Generation.payload)
+                                            .where(Generation.event_id.in_(missing))):
+            found[event_id] = event = GenerationEvent.model_validate(payload)
+            if cache is not None:
+                cache.put(event)
+    for tenant, session_id, event_id in listed:
+        out[(tenant, session_id)][0].append(found[event_id])
     fbs = db.execute(
-        select(Feedback.payload)
-        .where(Feedback.tenant == tenant, Feedback.session_id == session_id, Feedback.state != "expired")
+        select(Feedback.tenant, Feedback.session_id, Feedback.payload)
+        .where(tuple_(Feedback.tenant, Feedback.session_id).in_(sorted(keys)), Feedback.state != "expired")
         .order_by(Feedback.ts, Feedback.event_id)
-    ).scalars()
-    return [GenerationEvent.model_validate(p) for p in gens], [FeedbackEvent.model_validate(p) for p in fbs]
+    )
+    for tenant, session_id, payload in fbs:
+        out[(tenant, session_id)][1].append(FeedbackEvent.model_validate(payload))
+    return out
 
 
-def mark_feedback_joined(db: Session, tenant: str, session_id: str) -> int:
+def mark_feedback_joined(db: Session, keys: Sequence[Key]) -> int:
+    if not keys:
+        return 0
     result = db.execute(
         update(Feedback)
-        .where(Feedback.tenant == tenant, Feedback.session_id == session_id, Feedback.state == "pending")
+        .where(tuple_(Feedback.tenant, Feedback.session_id).in_(sorted(keys)), Feedback.state == "pending")
         .values(state="joined")
         .execution_options(synchronize_session=False)
     )
     return result.rowcount
 
 
-def insert_trajectory(db: Session, traj: TrajectoryEvent) -> bool:
-    row = {
-        "trajectory_id": traj.trajectory_id,
-        "revision": traj.revision,
-        "event_id": traj.event_id,
-        "tenant": traj.tenant,
-        "session_id": traj.session_id,
-        "model_line": traj.model_line,
-        "closed_reason": traj.closed_reason,
-        "ts": traj.ts,
-        "payload": traj.model_dump(mode="json"),
-    }
-    return insert_ignore(db, Trajectory, [row]) == 1
+def insert_trajectories(db: Session, trajectories: Sequence[tuple[TrajectoryEvent, str]]) -> None:
+    """Store new trajectory revisions, each with its JSON; a revision stored before means the
+    session state is corrupt."""
+    rows = [
+        {
+            "trajectory_id": traj.trajectory_id,
+            "revision": traj.revision,
+            "event_id": traj.event_id,
+            "tenant": traj.tenant,
+            "session_id": traj.session_id,
+            "model_line": traj.model_line,
+            "closed_reason": traj.closed_reason,
+            "ts": traj.ts,
+            "payload": JSONText(encoded),
+        }
+        for traj, encoded in trajectories
+    ]
+    new = _insert_new(db, Trajectory, rows)
+    if len(new) != len(rows):
+        clash = sorted((t.session_id, t.revision) for t, _ in trajectories if t.event_id not in new)
+        raise RuntimeError(f"trajectory revisions already stored (session state out of step): {clash[:5]}")
 
 
-def inactive_sessions(db: Session, before: datetime, limit: int = 500) -> list[tuple[str, str]]:
-    """Open sessions whose newest event is older than ``before``."""
+def trajectories_at(db: Session, revisions: Iterable[tuple[str, str, int]]) -> list[TrajectoryEvent]:
+    """The stored trajectories of ``(tenant, session_id, revision)``, oldest first (by the indexed id)."""
+    wanted = [(trajectory_id_for(tenant, session_id), revision) for tenant, session_id, revision in revisions]
+    if not wanted:
+        return []
     rows = db.execute(
-        select(SessionState.tenant, SessionState.session_id)
-        .where(SessionState.status == OPEN, SessionState.last_event_at < before)
-        .order_by(SessionState.last_event_at)
-        .limit(limit)
-    ).all()
-    return [(r.tenant, r.session_id) for r in rows]
+        select(Trajectory.id, Trajectory.payload)
+        .where(tuple_(Trajectory.trajectory_id, Trajectory.revision).in_(wanted))
+        .order_by(Trajectory.id)
+    )
+    return [TrajectoryEvent.model_validate(payload) for _, payload in rows]
 
 
-def pending_emissions(db: Session, limit: int = 500) -> list[TrajectoryEvent]:
-    """The trajectories of sessions still in ``closing``: committed, not yet known to be on the bus."""
-    payloads = db.execute(
-        select(Trajectory.payload)
-        .join(
-            SessionState,
-            (Trajectory.tenant == SessionState.tenant)
-            & (Trajectory.session_id == SessionState.session_id)
-            & (Trajectory.revision == SessionState.revision),
-        )
-        .where(SessionState.status == CLOSING)
-        .order_by(SessionState.closed_at)
-        .limit(limit)
-    ).scalars()
-    return [TrajectoryEvent.model_validate(payload) for payload in payloads]
+def claim_pending(db: Session, limit: int = 500, only: Iterable[tuple[str, str, int]] | None = None) -> list[State]:
+    """Lock sessions in ``closing`` (oldest close first) that no other worker is emitting right now;
+    with ``only``, just those of these ``(tenant, session_id, revision)``."""
+    stmt = select(*_STATE).where(SessionState.status == CLOSING)
+    if only is not None:
+        wanted = sorted(only)
+        if not wanted:
+            return []
+        stmt = stmt.where(tuple_(SessionState.tenant, SessionState.session_id, SessionState.revision).in_(wanted))
+    stmt = stmt.order_by(SessionState.closed_at, *_KEY.clauses).limit(limit).with_for_update(skip_locked=True)
+    return list(_states(db, stmt).values())
+
+
+def mark_closed(db: Session, states: Sequence[State]) -> None:
+    """``closing`` -> ``closed`` for claimed sessions whose trajectory is on the bus."""
+    if states:
+        db.execute(update(SessionState).where(_KEY.in_(sorted(s.key for s in states)))
+                   .values(status=CLOSED).execution_options(synchronize_session=False))

@@ -1,14 +1,37 @@
 """The ingest worker: generations + feedback from the bus -> persisted raw events -> trajectories.
 
-Per polled batch, in one database transaction: decode each record (undecodable or invalid ->
-dead letter, still committed; a large event the gateway split into chunks is reassembled first by
-``flywheel.bus.envelope``, and offsets are committed only up to the first chunk of a set still
-incomplete, so a restart reads its chunks again), persist the raw events idempotently, track the
-sessions, and close those an outcome (or abandonment) ended, or that late feedback re-opened.
-Then the DB commit, then the trajectories go on the bus, and only then the bus offsets are
-committed. Sessions with no event for ``ingest.inactivity_timeout_s`` are closed on every pass
-once the consumer has caught up (a full poll means a backlog: its old timestamps must not close
-sessions whose next event is still queued).
+Per polled batch, in one database transaction: decode and check each record (undecodable or
+invalid -> dead letter with the reason, still committed; a large event the gateway split into
+chunks is reassembled first by ``flywheel.bus.envelope``, and offsets are committed only up to
+the first chunk of a set still incomplete, so a restart reads its chunks again), lock the batch's
+sessions, persist the raw events idempotently, update the sessions, and close those an outcome
+(or abandonment) ended or that late feedback re-opened. Then the DB commit, then the trajectories
+go on the bus, and only then the bus offsets are committed.
+
+Invalid events never block their neighbours: an event the database would refuse (a string longer
+than its column, a 32-bit overflow) or that no trajectory can carry (sampling outside what a
+``Turn`` allows) is dead-lettered before the batch is written; should the database still refuse
+a batch (``DataError``/``IntegrityError``), it is written again one event per transaction and
+only the events it refuses are dead-lettered.
+
+Several workers in one consumer group (processes, any number, partitions moving between them):
+
+- A session changes only while its ``sessions`` row is locked (``ingest.store``). Its generations
+  and its feedback are on different topics, so two workers may read them at once, and after a
+  rebalance a new owner may read records the old one is still writing: whoever locks the session
+  second sees all the first committed. (Without the lock an outcome closing a session in one
+  worker missed a generation another worker was inserting: a turn lost from every revision.)
+- The outbox is claimed, not shared: a worker emits only ``closing`` sessions it has locked
+  (``SKIP LOCKED``), so two workers never put the same revision on the bus.
+- A session that leaves ``closing`` before its trajectory was emitted (a new generation, or late
+  feedback closing the next revision) puts that revision on the bus first, flushed before the
+  commit: no revision is ever skipped.
+- The inactivity sweep closes only sessions whose generations partition (Kafka's partitioner over
+  ``bus.partitions``, the count flywheel creates its topics with) this worker owns, and only when
+  its last poll was not full and its assignment did not just change: a session whose newer events
+  still wait on another worker's backlog is not closed early. A session still open
+  ``ingest.orphan_timeout_s`` (default 10 x the inactivity timeout) after its last event is
+  closed by any worker (its partition has no live owner, or its topic has another partition count).
 
 Crash safety (the outbox): closing a session commits its trajectory row and sets the session to
 ``closing`` in the same transaction; a trajectory is produced only from that committed state, and
@@ -17,12 +40,26 @@ producing what is still ``closing``, so a crash anywhere after the commit re-emi
 A crash after the flush but before ``closed`` re-emits the same bytes with the same ``event_id``,
 which every consumer treats as a duplicate. Offsets are committed after all of that, so a crash
 before it replays the batch, and the replay is a no-op (raw events are keyed by ``event_id``;
-only newly stored events change a session).
+only newly stored events change a session). Replaying the topics from the start, in a new group,
+changes nothing in the database for the same reason.
 
-Late feedback: feedback for a closed session within ``ingest.late_horizon_s`` of its close (by
-the feedback's timestamp) re-opens it: ``revision + 1``, closed reason ``late_feedback``. Later
-feedback is stored with state ``expired`` and counted, nothing re-emitted. A new generation in a
-closed session re-opens it; its next close is the next revision.
+Outcomes wait for their turns: the feedback topic can run ahead of the generations topic (a
+backlog, a slow partition), and closing on an outcome then would emit a truncated revision scored
+with the whole session's outcome. A session whose generations partition this worker owns closes on
+its outcome only once that partition's watermark (the newest generation time read from it) reached
+the outcome's time, or nothing is left to read there; until then it stays open and is checked
+after every pass (after a crash, the inactivity sweep closes it).
+
+Out of order: feedback may come before its generation. An outcome for a session without
+generations leaves it ``empty``; a generation that arrives at a session which already has an
+outcome (or abandonment) at or after its own timestamp closes it again at once (reason
+``outcome``), so late turns reach a trajectory without waiting for the inactivity timeout.
+
+Late feedback: feedback for a closed session within ``ingest.late_horizon_s`` of its close (in
+event time: the feedback's ``ts`` after the newest event of the closed trajectory) re-opens it:
+``revision + 1``, closed reason ``late_feedback``. Later feedback is stored with state
+``expired`` and counted, nothing re-emitted. A new generation in a closed session re-opens it;
+its next close is the next revision.
 """
 
 from __future__ import annotations
@@ -30,28 +67,42 @@ from __future__ import annotations
 import logging
 import threading
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Sequence
 from datetime import UTC, datetime, timedelta
 
+from sqlalchemy.exc import DataError, IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
-from flywheel.bus import Consumer, Producer, Record, make_bus
+from flywheel.bus import Consumer, Producer, Record, make_bus, partition_for_key
 from flywheel.bus.envelope import Reassembler
+from flywheel.db.models import Feedback, Generation
 from flywheel.db.session import make_session_factory, open_database
-from flywheel.events import FeedbackEvent, GenerationEvent
+from flywheel.events import FeedbackEvent, GenerationEvent, TrajectoryEvent
 from flywheel.settings import Settings
 from ingest import store
-from ingest.assemble import ClosedReason, assemble
+from ingest.assemble import ClosedReason, assemble, turn_of
 
 log = logging.getLogger("flywheel.ingest")
 
 POLL_TIMEOUT_S = 0.5
 MAX_RECORDS = 500
+_TICK = timedelta(microseconds=1)
+
+Event = GenerationEvent | FeedbackEvent
 
 
 def is_session_outcome(event: FeedbackEvent) -> bool:
     """Feedback that ends a session: an outcome, or the user abandoning it."""
     return event.kind == "outcome" or event.signal == "abandon"
+
+
+def check_event(event: Event) -> None:
+    """Raise ``ValueError`` if ``event`` decodes but cannot be stored or trained on (see the docstring)."""
+    if isinstance(event, GenerationEvent):
+        store.check_fits(Generation, store.generation_columns(event))
+        turn_of(event, 0, len(event.completion_token_ids))
+    else:
+        store.check_fits(Feedback, store.feedback_columns(event))
 
 
 class Ingestor:
@@ -66,25 +117,36 @@ class Ingestor:
         self.trajectories_topic = settings.topic("trajectories")
         self.counters: Counter[str] = Counter()
         self.reassembler = Reassembler()
+        self.cache = store.EventCache(settings.ingest.cache_tokens)
+        #: Per generations partition, the newest event time read from it (the watermark).
+        self.watermarks: dict[int, datetime] = {}
+        #: Sessions an outcome ended while turns of theirs may still wait on the bus -> outcome time.
+        self.deferred: dict[store.Key, datetime] = {}
+        self.consumer: Consumer | None = None
+        #: The JSON of the trajectories closed in this pass (stored and produced from one encoding).
+        self._encoded: dict[str, tuple[TrajectoryEvent, bytes]] = {}
 
     # --- one polled batch ------------------------------------------------------------------------
 
     def process(self, records: Sequence[Record], consumer: Consumer) -> None:
         """Persist ``records`` and close what they ended; committed and emitted when this returns."""
-        now = datetime.now(UTC)
-        horizon = timedelta(seconds=self.settings.ingest.late_horizon_s)
-        to_close: dict[tuple[str, str], ClosedReason] = {}
-        with self.sessions() as db, db.begin():
-            for record in records:
-                event = self._decode(record, consumer)
-                if isinstance(event, GenerationEvent):
-                    self._on_generation(db, event)
-                elif isinstance(event, FeedbackEvent):
-                    reason = self._on_feedback(db, event, horizon)
-                    if reason is not None and to_close.get((event.tenant, event.session_id)) != "late_feedback":
-                        to_close[(event.tenant, event.session_id)] = reason
-            for (tenant, session_id), reason in to_close.items():
-                self._close(db, tenant, session_id, reason, now)
+        self.consumer = consumer
+        decoded = [(record, event) for record in records if (event := self._decode(record, consumer)) is not None]
+        for record, event in decoded:
+            if isinstance(event, GenerationEvent) and event.ts > self.watermarks.get(record.partition, event.ts - _TICK):
+                self.watermarks[record.partition] = event.ts
+        if decoded:
+            try:
+                self._emit(self._apply([event for _, event in decoded]))
+            except (DataError, IntegrityError) as exc:
+                log.warning("the database refused a batch of %d events (%s); writing them one by one",
+                            len(decoded), str(exc.orig or exc).strip()[:200])
+                self.counters["batches_split"] += 1
+                for record, event in decoded:
+                    try:
+                        self._emit(self._apply([event]))
+                    except (DataError, IntegrityError) as one:
+                        self._dead_letter(record, consumer, f"refused by the database: {str(one.orig or one).strip()}")
         self.emit_pending()
 
     def committable(self, records: Sequence[Record], consumer: Consumer) -> list[Record]:
@@ -92,105 +154,246 @@ class Ingestor:
         self.reassembler.retain(consumer.assignment())
         return self.reassembler.committable(records)
 
-    def _decode(self, record: Record, consumer: Consumer) -> GenerationEvent | FeedbackEvent | None:
+    def _decode(self, record: Record, consumer: Consumer) -> Event | None:
         kind = GenerationEvent if record.topic == self.generations_topic else FeedbackEvent
         try:
             whole = self.reassembler.feed(record)
             if whole is None:
                 return None  # a chunk of a large event; the event comes with its last chunk
-            return kind.from_bytes(whole.value)
+            event = kind.from_bytes(whole.value)
         except ValueError as exc:  # EnvelopeError, pydantic.ValidationError, UnicodeDecodeError
-            reason = f"undecodable {kind.__name__}: {exc}"[:1000]
-            consumer.dead_letter(record, reason)
-            self.counters["dead_lettered"] += 1
-            log.warning("dead-lettered %s[%d]@%d: %s", record.topic, record.partition, record.offset, reason[:200])
+            self._dead_letter(record, consumer, f"undecodable {kind.__name__}: {exc}")
             return None
-
-    def _on_generation(self, db: Session, event: GenerationEvent) -> None:
-        if not store.insert_generation(db, event):
-            self.counters["duplicate_generations"] += 1
-            return
-        self.counters["generations"] += 1
-        state = store.touch_session(db, event.tenant, event.session_id, event.ts)
-        if state.status in (store.CLOSED, store.EMPTY):
-            store.set_status(db, event.tenant, event.session_id, expect=(state.status,), status=store.OPEN)
-            self.counters["sessions_reopened"] += 1
-
-    def _on_feedback(self, db: Session, event: FeedbackEvent, horizon: timedelta) -> ClosedReason | None:
-        """Store one feedback event; returns why its session must close now, if it must."""
-        state = store.get_session(db, event.tenant, event.session_id)
-        closed = state is not None and state.status in (store.CLOSED, store.CLOSING)
-        if closed and state is not None and state.closed_at is not None and event.ts - state.closed_at > horizon:
-            if store.insert_feedback(db, event, state="expired"):
-                self.counters["feedback_expired"] += 1
-            else:
-                self.counters["duplicate_feedback"] += 1
+        try:
+            check_event(event)
+        except ValueError as exc:
+            self._dead_letter(record, consumer, f"invalid {kind.__name__}: {exc}")
             return None
-        if not store.insert_feedback(db, event, state="pending"):
-            self.counters["duplicate_feedback"] += 1
-            return None
-        self.counters["feedback"] += 1
-        store.touch_session(db, event.tenant, event.session_id, event.ts)
-        if closed:
-            self.counters["feedback_late"] += 1
-            return "late_feedback"
-        return "outcome" if is_session_outcome(event) else None
+        return event
 
-    def _close(self, db: Session, tenant: str, session_id: str, reason: ClosedReason, now: datetime) -> None:
-        """Assemble and store the session's trajectory and move it to ``closing`` (uncommitted)."""
-        state = store.get_session(db, tenant, session_id)
-        if state is None:
-            return
-        if reason != "late_feedback" and state.status != store.OPEN:
-            return  # already closed (or being closed) by an earlier pass or another worker
-        generations, feedback = store.session_events(db, tenant, session_id)
-        if not generations:
-            # Feedback before any generation: nothing to train on yet; a generation re-opens it.
-            store.set_status(db, tenant, session_id, expect=(store.OPEN,), status=store.EMPTY)
-            self.counters["sessions_empty"] += 1
-            return
-        revision = state.revision + 1 if state.closed_at is not None else 0
-        if not store.claim_close(db, state, revision, now):
-            return
-        traj = assemble(tenant, session_id, generations, feedback, closed_reason=reason, revision=revision)
-        store.insert_trajectory(db, traj)
-        store.mark_feedback_joined(db, tenant, session_id)
-        self.counters[f"closed_{reason}"] += 1
-        log.debug(
-            "closed session %s/%s (%s): revision %d, %d turns, %d feedback",
-            tenant, session_id, reason, revision, len(traj.generation_ids), len(traj.feedback),
-        )
+    def _dead_letter(self, record: Record, consumer: Consumer, reason: str) -> None:
+        reason = reason[:1000]
+        consumer.dead_letter(record, reason)
+        self.counters["dead_lettered"] += 1
+        log.warning("dead-lettered %s[%d]@%d: %s", record.topic, record.partition, record.offset, reason[:200])
+
+    def _apply(self, events: Sequence[Event]) -> list[TrajectoryEvent]:
+        """One transaction: lock the sessions, store the new events, apply them in order, close.
+        Returns the trajectories it closed (committed, in the outbox)."""
+        horizon = timedelta(seconds=self.settings.ingest.late_horizon_s)
+        first_seen: dict[store.Key, datetime] = {}
+        for event in events:
+            key = (event.tenant, event.session_id)
+            first_seen[key] = min(first_seen.get(key, event.ts), event.ts)
+        with self.sessions() as db, db.begin():
+            states = store.lock_sessions(db, first_seen)
+            fresh = store.insert_generations(db, _first_of_each(
+                [e for e in events if isinstance(e, GenerationEvent)], lambda e: [e.event_id, e.generation_id]))
+            outbox: list[tuple[str, str, int]] = []  # closing revisions to put on the bus before this commit
+            reopened: dict[store.Key, datetime] = {}
+            feedback: list[tuple[FeedbackEvent, str, bool]] = []  # (event, state, its session was closed)
+            seen: set[str] = set()
+            for event in events:
+                key = (event.tenant, event.session_id)
+                state = states[key]
+                if isinstance(event, GenerationEvent):
+                    if event.event_id not in fresh:
+                        self.counters["duplicate_generations"] += 1
+                        continue
+                    fresh.discard(event.event_id)
+                    self.cache.put(event)
+                    self.counters["generations"] += 1
+                    _advance(state, event.ts)
+                    if state.status != store.OPEN:
+                        _leave_closing(state, outbox)
+                        state.status = store.OPEN
+                        reopened[key] = min(reopened.get(key, event.ts), event.ts)
+                        self.counters["sessions_reopened"] += 1
+                elif seen.isdisjoint((event.event_id, f"{event.tenant}\0{event.feedback_id}")):
+                    seen.update((event.event_id, f"{event.tenant}\0{event.feedback_id}"))
+                    closed = state.status in (store.CLOSED, store.CLOSING)
+                    expired = closed and state.closed_at is not None and event.ts - state.closed_at > horizon
+                    feedback.append((event, "expired" if expired else "pending", closed))
+                else:
+                    self.counters["duplicate_feedback"] += 1
+            stored = store.insert_feedback(db, [(event, fb_state) for event, fb_state, _ in feedback])
+            to_close: dict[store.Key, ClosedReason] = {}
+            outcomes: dict[store.Key, datetime] = {}  # sessions an outcome ended, at its event time
+            for event, fb_state, closed in feedback:
+                key = (event.tenant, event.session_id)
+                if event.event_id not in stored:
+                    self.counters["duplicate_feedback"] += 1
+                elif fb_state == "expired":
+                    self.counters["feedback_expired"] += 1
+                else:
+                    self.counters["feedback"] += 1
+                    _advance(states[key], event.ts)
+                    if closed:
+                        self.counters["feedback_late"] += 1
+                        to_close[key] = "late_feedback"
+                    elif is_session_outcome(event):
+                        outcomes[key] = max(outcomes.get(key, event.ts), event.ts)
+            ended = store.latest_outcomes(db, [key for key in reopened if key not in to_close])
+            for key, outcome_at in ended.items():
+                if outcome_at >= reopened[key]:  # a turn served before the outcome that ended its session
+                    outcomes[key] = max(outcomes.get(key, outcome_at), outcome_at)
+            for key, outcome_at in outcomes.items():
+                if key in to_close:
+                    continue
+                if self._turns_all_read(key, outcome_at):
+                    to_close[key] = "outcome"
+                    self.deferred.pop(key, None)
+                else:
+                    self.deferred[key] = max(self.deferred.get(key, outcome_at), outcome_at)
+                    self.counters["outcomes_deferred"] += 1
+            closed = self._close(db, states, to_close, outbox)
+            store.save_sessions(db, states.values())
+            if outbox:  # inside the transaction: once it commits, nothing else would emit them
+                self._produce(store.trajectories_at(db, outbox))
+        return closed
+
+    def _close(
+        self, db: Session, states: dict[store.Key, store.State], to_close: dict[store.Key, ClosedReason],
+        outbox: list[tuple[str, str, int]],
+    ) -> list[TrajectoryEvent]:
+        """Assemble and store the trajectories of locked sessions; move them to ``closing`` (uncommitted)."""
+        if not to_close:
+            return []
+        events = store.session_events(db, list(to_close), self.cache)
+        closed: list[TrajectoryEvent] = []
+        for key, reason in sorted(to_close.items()):
+            state = states[key]
+            generations, feedback = events[key]
+            if not generations:
+                # Feedback before any generation: nothing to train on yet; a generation re-opens it.
+                state.status = store.EMPTY
+                self.counters["sessions_empty"] += 1
+                continue
+            _leave_closing(state, outbox)
+            revision = state.revision + 1 if state.closed_at is not None else 0
+            traj = assemble(key[0], key[1], generations, feedback, closed_reason=reason, revision=revision)
+            state.status, state.revision, state.closed_at = store.CLOSING, revision, traj.ts
+            closed.append(traj)
+            self.counters[f"closed_{reason}"] += 1
+            log.debug("closed session %s/%s (%s): revision %d, %d turns, %d feedback",
+                      key[0], key[1], reason, revision, len(traj.generation_ids), len(traj.feedback))
+        encoded = [(traj, traj.model_dump_json()) for traj in closed]
+        self._encoded = {traj.event_id: (traj, text.encode()) for traj, text in encoded}
+        store.insert_trajectories(db, encoded)
+        store.mark_feedback_joined(db, [(t.tenant, t.session_id) for t in closed])
+        return closed
+
+    def _turns_all_read(self, key: store.Key, outcome_at: datetime) -> bool:
+        """Whether every turn served before ``outcome_at`` in session ``key`` has been read off the
+        bus: true when this worker does not own the session's generations partition (it cannot
+        tell; its owner stores them, and a turn stored after the close re-closes the session), when
+        that partition's watermark reached ``outcome_at``, or when it has no record left to read.
+        With a backlog the feedback topic can run ahead of the generations topic; closing on the
+        outcome then would emit a truncated revision scored with the whole session's outcome."""
+        consumer = self.consumer
+        partition = partition_for_key(key[1], self.settings.bus.partitions)
+        if consumer is None or (self.generations_topic, partition) not in consumer.assignment():
+            return True
+        mark = self.watermarks.get(partition)
+        return (mark is not None and mark >= outcome_at) or consumer.caught_up(self.generations_topic, partition)
+
+    def close_deferred(self) -> int:
+        """Close the sessions an outcome ended once their turns are all read (``_turns_all_read``)."""
+        ready = {key: at for key, at in self.deferred.items() if self._turns_all_read(key, at)}
+        if not ready:
+            return 0
+        for key in ready:
+            del self.deferred[key]
+        with self.sessions() as db, db.begin():
+            states = {key: state for key, state in store.lock_sessions(db, ready).items() if state.status == store.OPEN}
+            closed = self._close(db, states, dict.fromkeys(states, "outcome"), [])
+            store.save_sessions(db, states.values())
+        self._emit(closed)
+        return len(closed)
 
     # --- passes independent of the batch ---------------------------------------------------------
 
-    def close_inactive(self) -> int:
+    def close_inactive(self, owned: Collection[int] | None = None) -> int:
+        """Close sessions idle for ``ingest.inactivity_timeout_s`` on the generations partitions in
+        ``owned`` (None: every partition), and any idle past the orphan timeout."""
         now = datetime.now(UTC)
         cutoff = now - timedelta(seconds=self.settings.ingest.inactivity_timeout_s)
+        orphaned = now - timedelta(seconds=self.settings.ingest.orphan_after_s)
+        partitions = self.settings.bus.partitions
         with self.sessions() as db, db.begin():
-            stale = store.inactive_sessions(db, cutoff, limit=MAX_RECORDS)
-            for tenant, session_id in stale:
-                self._close(db, tenant, session_id, "inactivity", now)
-        if stale:
-            self.emit_pending()
-        return len(stale)
+            candidates = store.inactive_sessions(db, cutoff, limit=MAX_RECORDS)
+            mine = [(tenant, session_id) for tenant, session_id, last in candidates
+                    if owned is None or last < orphaned or partition_for_key(session_id, partitions) in owned]
+            states = store.lock_inactive(db, mine, cutoff)
+            closed = self._close(db, states, dict.fromkeys(states, "inactivity"), [])
+            store.save_sessions(db, states.values())
+        self._emit(closed)
+        return len(states)
 
     def emit_pending(self) -> int:
-        """Produce every ``closing`` trajectory, flush, then mark those sessions ``closed``."""
-        with self.sessions() as db:
-            pending = store.pending_emissions(db, limit=MAX_RECORDS)
-        if not pending:
-            return 0
-        for traj in pending:
-            self.producer.send(self.trajectories_topic, traj.session_id, traj.to_bytes())
-        self.producer.flush()
+        """Claim ``closing`` sessions, produce their trajectories, flush, then mark them ``closed``."""
         with self.sessions() as db, db.begin():
-            for traj in pending:
-                store.set_status(
-                    db, traj.tenant, traj.session_id, expect=(store.CLOSING,), status=store.CLOSED,
-                    revision=traj.revision,
-                )
-        self.counters["trajectories_emitted"] += len(pending)
-        return len(pending)
+            claimed = store.claim_pending(db, limit=MAX_RECORDS)
+            if not claimed:
+                return 0
+            self._produce(store.trajectories_at(db, [(s.tenant, s.session_id, s.revision) for s in claimed]))
+            store.mark_closed(db, claimed)
+        return len(claimed)
+
+    def _emit(self, closed: Sequence[TrajectoryEvent]) -> None:
+        """``emit_pending`` for trajectories this worker just committed, produced from memory."""
+        if not closed:
+            return
+        with self.sessions() as db, db.begin():
+            claimed = store.claim_pending(db, only=[(t.tenant, t.session_id, t.revision) for t in closed])
+            mine = {(s.tenant, s.session_id, s.revision) for s in claimed}
+            self._produce([t for t in closed if (t.tenant, t.session_id, t.revision) in mine])
+            store.mark_closed(db, claimed)
+
+    def _produce(self, trajectories: Sequence[TrajectoryEvent]) -> None:
+        if not trajectories:
+            return
+        for traj in trajectories:
+            same, value = self._encoded.get(traj.event_id, (None, b""))
+            self.producer.send(self.trajectories_topic, traj.session_id, value if same is traj else traj.to_bytes())
+        self.producer.flush()
+        self.counters["trajectories_emitted"] += len(trajectories)
+
+
+def _advance(state: store.State, ts: datetime) -> None:
+    if ts > state.last_event_at:
+        state.last_event_at = ts
+
+
+def _leave_closing(state: store.State, outbox: list[tuple[str, str, int]]) -> None:
+    """A session about to leave ``closing``: its committed revision still has to reach the bus."""
+    if state.status == store.CLOSING:
+        outbox.append((state.tenant, state.session_id, state.revision))
+
+
+def _first_of_each(events: Sequence[GenerationEvent], ids: Callable[[GenerationEvent], list[str]]) -> list[GenerationEvent]:
+    """``events`` without those sharing an id with an earlier one (so RETURNING tells new from replayed)."""
+    seen: set[str] = set()
+    out = []
+    for event in events:
+        keys = ids(event)
+        if seen.isdisjoint(keys):
+            seen.update(keys)
+            out.append(event)
+    return out
+
+
+def _owned(assignment: set[tuple[str, int]]) -> str:
+    """``topic[0,2] other[1]``: an assignment for the log."""
+    topics: dict[str, list[int]] = {}
+    for topic, partition in sorted(assignment):
+        topics.setdefault(topic, []).append(partition)
+    return " ".join(f"{topic}[{','.join(map(str, ps))}]" for topic, ps in topics.items())
+
+
+def consumer_group(settings: Settings) -> str:
+    """The ingest workers' consumer group (``Settings.group``)."""
+    return settings.group("ingest")
 
 
 def run(settings: Settings, stop: threading.Event | None = None) -> None:
@@ -200,10 +403,11 @@ def run(settings: Settings, stop: threading.Event | None = None) -> None:
     bus = make_bus(settings)
     topics = [settings.topic("generations"), settings.topic("feedback")]
     bus.ensure_topics([*topics, settings.topic("trajectories")])
-    consumer = bus.consumer("ingest", topics)
+    consumer = bus.consumer(consumer_group(settings), topics)
     producer = bus.producer()
     ingestor = Ingestor(settings, make_session_factory(engine), producer)
     log.info("ingest consuming %s", ", ".join(topics))
+    previous: set[tuple[str, int]] = set()
     try:
         while not stop.is_set():
             ingestor.emit_pending()
@@ -211,8 +415,13 @@ def run(settings: Settings, stop: threading.Event | None = None) -> None:
             if records:
                 ingestor.process(records, consumer)
                 consumer.commit(ingestor.committable(records, consumer))
-            if len(records) < MAX_RECORDS:
-                ingestor.close_inactive()
+            ingestor.close_deferred()
+            assignment = consumer.assignment()
+            if assignment != previous:
+                log.info("ingest owns %s", _owned(assignment) or "no partition")
+            elif len(records) < MAX_RECORDS:
+                ingestor.close_inactive({p for topic, p in assignment if topic == ingestor.generations_topic})
+            previous = assignment
     finally:
         log.info("ingest stopping: %s", dict(ingestor.counters))
         consumer.close()

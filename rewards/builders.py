@@ -1,17 +1,33 @@
-"""Reward builders: pure functions ``(trajectory, spec) -> RewardOutput``.
+"""Reward builders: pure functions ``(trajectory, params) -> RewardOutput``.
 
-No IO and no clock: the same trajectory and spec always give the same rewards, so a score can be
-recomputed from the stored trajectory at any time. Every builder returns one reward per turn, in
-the order of the turns across segments (the order ``ScoredTrajectory.turn_rewards`` uses), and
-``total == sum(turn_rewards) == sum(components.values())``.
+No IO and no clock (the LLM judge, ``rewards.judge``, is the one builder that calls out, and it is
+off by default): the same trajectory and params always give the same rewards, so a score can be
+recomputed from the stored trajectory at any time (``flywheel rewards rescore``).
+
+A builder returns, for the ``n`` turns of the trajectory in order across segments:
+
+- ``turn_rewards`` (``n`` floats): rewards for signals about one turn, which stay on that turn;
+- ``outcome`` (``n`` floats, or empty for none): session outcomes, each at the turn it is anchored
+  to (the turn an outcome names, else the last turn); the spec's credit rule (``rewards.credit``)
+  spreads them over the turns up to their anchor;
+- ``components``: the same amounts summed per signal name.
+
+Invariant of a builder's output: ``total == sum(turn_rewards) + sum(outcome) == sum(components.values())``.
+:class:`Ledger` keeps it for any builder, custom ones included.
+
+Where signals land: feedback naming a generation lands on that turn; feedback naming a generation
+outside the trajectory is ignored; session-level explicit and implicit feedback lands on the last
+turn, and ``abandon`` always does (abandoning is about how the session ended).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from flywheel.events import FeedbackEvent, TrajectoryEvent
-from flywheel.settings import RewardSettings
+from rewards.spec import ExplicitParams, ImplicitParams, LengthParams, OutcomeParams
 
 
 @dataclass(frozen=True)
@@ -19,79 +35,119 @@ class RewardOutput:
     total: float
     #: One reward per turn, in turn order across segments.
     turn_rewards: list[float]
-    #: Per-signal sums (``thumbs``, ``rating``, ``retry``, ``abandon``, ``outcome``), present signals only.
+    #: Per-signal sums; a scorer's final output adds ``credit`` and ``clip`` (rewards.scorer).
     components: dict[str, float] = field(default_factory=dict)
+    #: A builder's session outcomes by anchor turn, before the credit rule (empty: none). A
+    #: scorer's final output has none: they are in ``turn_rewards``.
+    outcome: list[float] = field(default_factory=list)
 
 
-def normalise_rating(value: float) -> float:
-    """A rating on the 1..5 scale maps linearly to [-1, 1] (3 -> 0); anything else is clamped to [-1, 1]."""
-    if 1.0 <= value <= 5.0:
-        return (value - 3.0) / 2.0
-    return max(-1.0, min(1.0, value))
+#: What every builder is: ``params`` is the builder's validated params model (a dict for custom builders).
+Builder = Callable[[TrajectoryEvent, Any], RewardOutput]
 
 
-def outcome_value(fb: FeedbackEvent, spec: RewardSettings) -> float:
-    """``value`` 1 (or missing) -> ``outcome_success``, 0 -> ``outcome_failure``, linear in between
-    (a fraction of tests passed); values outside [0, 1] are clamped."""
-    v = 1.0 if fb.value is None else max(0.0, min(1.0, fb.value))
-    return spec.outcome_failure + v * (spec.outcome_success - spec.outcome_failure)
+class Ledger:
+    """Where a builder writes its credits; :meth:`output` returns them as a :class:`RewardOutput`."""
 
+    def __init__(self, traj: TrajectoryEvent) -> None:
+        self.turn_ids = [turn.generation_id for segment in traj.segments for turn in segment.turns]
+        self.n = len(self.turn_ids)
+        self._index = {gid: i for i, gid in enumerate(self.turn_ids)}
+        self._turns = [0.0] * self.n
+        self._outcome = [0.0] * self.n
+        self._components: dict[str, float] = {}
 
-def explicit_outcome_reward(traj: TrajectoryEvent, spec: RewardSettings) -> RewardOutput:
-    """Score a trajectory from its explicit, implicit and outcome feedback.
-
-    Per-turn signals land on the turn whose generation they name; a session-level one (no
-    ``generation_id``) lands on the last turn; feedback naming a generation outside the trajectory
-    is ignored. Signals:
-
-    - ``thumbs``: value > 0 -> ``spec.thumbs_up``, value < 0 -> ``spec.thumbs_down`` (0/None: nothing);
-    - ``rating``: :func:`normalise_rating` (1..5 -> [-1, 1]);
-    - ``retry``: ``spec.retry_penalty`` on the generation the user retried (the one named);
-    - ``abandon``: ``spec.abandon_penalty`` on the last turn, whatever it names;
-    - outcomes (``task_solved``, ``tests_passed``): :func:`outcome_value`, credited by the rule below.
-    Other signals (comments, edits, custom) do not score in this spec.
-
-    Outcome credit rule: the anchor is the last turn (or the turn an outcome names). The anchor gets
-    the full outcome value ``o``; a turn ``k`` turns before the anchor gets ``o * outcome_discount**k``;
-    turns after the anchor get nothing from it. Worked example, three turns, ``outcome_discount=0.5``,
-    ``task_solved`` value 1, ``outcome_success=1.0``: turn rewards ``[0.25, 0.5, 1.0]``; add a
-    thumbs-down (``-1.0``) on turn 0 and they become ``[-0.75, 0.5, 1.0]``, total ``0.75``,
-    components ``{"outcome": 1.75, "thumbs": -1.0}``.
-    """
-    turn_ids = [turn.generation_id for segment in traj.segments for turn in segment.turns]
-    n = len(turn_ids)
-    rewards = [0.0] * n
-    components: dict[str, float] = {}
-    if n == 0:
-        return RewardOutput(total=0.0, turn_rewards=[], components={})
-    index = {gid: i for i, gid in enumerate(turn_ids)}
-    last = n - 1
-
-    def credit(signal: str, turn: int, amount: float) -> None:
-        rewards[turn] += amount
-        components[signal] = components.get(signal, 0.0) + amount
-
-    for fb in traj.feedback:
+    def target(self, fb: FeedbackEvent) -> int | None:
+        """The turn ``fb`` is about: the one it names, the last turn when it names none, ``None``
+        when it names a generation outside the trajectory (or there are no turns)."""
+        if self.n == 0:
+            return None
         if fb.generation_id is None:
-            turn = last
-        elif fb.generation_id in index:
-            turn = index[fb.generation_id]
-        else:
+            return self.n - 1
+        return self._index.get(fb.generation_id)
+
+    def turn(self, signal: str, i: int, amount: float) -> None:
+        """A reward for turn ``i`` only."""
+        self._turns[i] += amount
+        self._components[signal] = self._components.get(signal, 0.0) + amount
+
+    def session(self, signal: str, anchor: int, amount: float) -> None:
+        """A session outcome anchored at turn ``anchor`` (the credit rule spreads it)."""
+        self._outcome[anchor] += amount
+        self._components[signal] = self._components.get(signal, 0.0) + amount
+
+    def output(self) -> RewardOutput:
+        total = sum(self._turns) + sum(self._outcome)
+        return RewardOutput(total, list(self._turns), dict(self._components), list(self._outcome))
+
+
+def scale_rating(value: float, p: ExplicitParams) -> float:
+    """``rating_min..rating_max`` maps linearly to ``[-1, 1]`` (the middle to 0); values outside clamp."""
+    x = 2.0 * (value - p.rating_min) / (p.rating_max - p.rating_min) - 1.0
+    return max(-1.0, min(1.0, x))
+
+
+def explicit(traj: TrajectoryEvent, p: ExplicitParams) -> RewardOutput:
+    """``thumbs``: value > 0 -> ``thumbs_up``, < 0 -> ``thumbs_down`` (0 or missing: nothing);
+    ``rating``: :func:`scale_rating` times ``rating``. Comments do not score."""
+    ledger = Ledger(traj)
+    for fb in traj.feedback:
+        if fb.kind != "explicit" or fb.value is None or (i := ledger.target(fb)) is None:
             continue
-        if fb.signal == "thumbs":
-            if fb.value is not None and fb.value > 0:
-                credit("thumbs", turn, spec.thumbs_up)
-            elif fb.value is not None and fb.value < 0:
-                credit("thumbs", turn, spec.thumbs_down)
+        if fb.signal == "thumbs" and fb.value != 0:
+            ledger.turn("thumbs", i, p.thumbs_up if fb.value > 0 else p.thumbs_down)
         elif fb.signal == "rating":
-            if fb.value is not None:
-                credit("rating", turn, normalise_rating(fb.value))
-        elif fb.signal == "retry":
-            credit("retry", turn, spec.retry_penalty)
-        elif fb.signal == "abandon":
-            credit("abandon", last, spec.abandon_penalty)
-        elif fb.kind == "outcome":
-            value = outcome_value(fb, spec)
-            for k, i in enumerate(range(turn, -1, -1)):
-                credit("outcome", i, value * spec.outcome_discount**k)
-    return RewardOutput(total=sum(rewards), turn_rewards=rewards, components=components)
+            ledger.turn("rating", i, p.rating * scale_rating(fb.value, p))
+    return ledger.output()
+
+
+def implicit(traj: TrajectoryEvent, p: ImplicitParams) -> RewardOutput:
+    """``edit_accepted``, ``edit_rejected``, ``retry``: their amount on the turn;
+    ``text_kept``: ``text_kept`` times the kept fraction (value clamped to [0, 1], missing = 1);
+    ``abandon``: its amount on the last turn, whatever it names."""
+    ledger = Ledger(traj)
+    for fb in traj.feedback:
+        if fb.kind != "implicit" or (i := ledger.target(fb)) is None:
+            continue
+        if fb.signal == "abandon":
+            ledger.turn("abandon", ledger.n - 1, p.abandon)
+        elif fb.signal == "text_kept":
+            kept = 1.0 if fb.value is None else max(0.0, min(1.0, fb.value))
+            ledger.turn("text_kept", i, p.text_kept * kept)
+        elif fb.signal in ("edit_accepted", "edit_rejected", "retry"):
+            ledger.turn(fb.signal, i, getattr(p, fb.signal))
+    return ledger.output()
+
+
+def outcome(traj: TrajectoryEvent, p: OutcomeParams) -> RewardOutput:
+    """``task_solved`` / ``tests_passed``: value 1 (or missing) -> ``success``, 0 -> ``failure``,
+    linear in between (a fraction of tests passed; clamped to [0, 1]); a session outcome anchored
+    at the turn it names, else the last turn."""
+    ledger = Ledger(traj)
+    for fb in traj.feedback:
+        if fb.kind != "outcome" or (i := ledger.target(fb)) is None:
+            continue
+        v = 1.0 if fb.value is None else max(0.0, min(1.0, fb.value))
+        ledger.session("outcome", i, p.failure + v * (p.success - p.failure))
+    return ledger.output()
+
+
+def length_penalty(traj: TrajectoryEvent, p: LengthParams) -> RewardOutput:
+    """Each turn: ``-min(max_penalty, per_token * max(0, completion tokens - free_tokens))``."""
+    ledger = Ledger(traj)
+    i = 0
+    for segment in traj.segments:
+        for turn in segment.turns:
+            over = max(0, (turn.end - turn.start) - p.free_tokens)
+            if over and p.per_token:
+                ledger.turn("length", i, -min(p.max_penalty, p.per_token * over))
+            i += 1
+    return ledger.output()
+
+
+BUILTIN: Mapping[str, Builder] = {
+    "explicit": explicit,
+    "implicit": implicit,
+    "outcome": outcome,
+    "length": length_penalty,
+}

@@ -1,58 +1,47 @@
 """The rewards worker: trajectories from the bus -> scored (persisted, then produced).
 
-Per polled batch: decode (undecodable -> dead letter), score with the configured spec (a pure
-builder), insert the scores idempotently, commit the database, produce every ScoredTrajectory and
-flush, and only then commit the offsets. A scored event's ``event_id`` is derived from
-``(trajectory_id, revision, spec_version)``, so a crash anywhere replays the batch into the same
-rows (no-ops) and the same events (duplicates every consumer drops): at-least-once on the bus,
-exactly-once in the database.
+Per polled batch: decode (undecodable -> dead letter), score every trajectory with the spec (pure
+builders; the judge, when enabled, is called here, outside any transaction), then in ONE database
+transaction: find the batch's rows already scored (a replay), compute advantages for the others
+(``rewards.normalise``; held-out ones get none), insert them, move the per-version stats by what
+was really inserted and re-evaluate the anomaly flags; commit. Then produce every non-held-out
+scored trajectory, flush, and only then commit the offsets.
+
+- A scored event's ``event_id`` is derived from ``(trajectory_id, revision, spec_version)`` and a
+  replayed row is produced from its stored payload, so a crash anywhere replays the batch into the
+  same rows (no-ops) and the same events, byte for byte (duplicates every consumer drops):
+  at-least-once on the bus, exactly-once in the database.
+- Held-out trajectories (``rewards.guards.is_held_out``) are scored and stored, never produced.
+- The normalisation statistics are rebuilt from the database at start (``rewards.normalise``).
+- At start the spec is validated, its custom builders resolved and its version registered: a
+  changed spec under an old version stops the worker before it scores anything.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-import uuid
 from collections import Counter
 from collections.abc import Sequence
 
 from sqlalchemy.orm import Session, sessionmaker
 
 from flywheel.bus import Consumer, Producer, Record, make_bus
-from flywheel.db.models import ScoredTrajectoryRow
-from flywheel.db.session import insert_ignore, make_session_factory, open_database
+from flywheel.db.session import make_session_factory, open_database
 from flywheel.events import ScoredTrajectory, TrajectoryEvent
-from flywheel.settings import RewardSettings, Settings
-from rewards.builders import explicit_outcome_reward
+from flywheel.settings import Settings
+from rewards import store
+from rewards.builders import RewardOutput
+from rewards.normalise import Normaliser
+from rewards.scorer import Scorer, scored_event_id
+from rewards.spec import load_spec
 
 log = logging.getLogger("flywheel.rewards")
 
 POLL_TIMEOUT_S = 0.5
 MAX_RECORDS = 200
 
-
-def scored_event_id(trajectory_id: str, revision: int, spec_version: str) -> str:
-    return uuid.uuid5(uuid.NAMESPACE_URL, f"flywheel-scored:{trajectory_id}:{revision}:{spec_version}").hex
-
-
-def score(traj: TrajectoryEvent, spec: RewardSettings) -> ScoredTrajectory:
-    """The scored form of ``traj`` under ``spec`` (deterministic, like the builder)."""
-    out = explicit_outcome_reward(traj, spec)
-    return ScoredTrajectory(
-        event_id=scored_event_id(traj.trajectory_id, traj.revision, spec.spec_version),
-        ts=traj.ts,
-        tenant=traj.tenant,
-        session_id=traj.session_id,
-        trajectory_id=traj.trajectory_id,
-        revision=traj.revision,
-        model_line=traj.model_line,
-        segments=traj.segments,
-        turn_rewards=out.turn_rewards,
-        total_reward=out.total,
-        reward_components=out.components,
-        reward_spec_version=spec.spec_version,
-        prompt_key=traj.prompt_key,
-    )
+__all__ = ["process", "run", "scored_event_id"]
 
 
 def process(
@@ -60,11 +49,13 @@ def process(
     consumer: Consumer,
     sessions: sessionmaker[Session],
     producer: Producer,
-    settings: Settings,
+    scorer: Scorer,
+    normaliser: Normaliser,
+    topic: str,
     counters: Counter[str],
 ) -> None:
     """Score, persist and produce one batch; the caller commits the offsets afterwards."""
-    scored: list[ScoredTrajectory] = []
+    batch: dict[str, tuple[TrajectoryEvent, RewardOutput]] = {}
     for record in records:
         try:
             traj = TrajectoryEvent.from_bytes(record.value)
@@ -74,53 +65,72 @@ def process(
             counters["dead_lettered"] += 1
             log.warning("dead-lettered %s[%d]@%d: %s", record.topic, record.partition, record.offset, reason[:200])
             continue
-        scored.append(score(traj, settings.rewards))
-    if not scored:
+        event_id = scored_event_id(traj.trajectory_id, traj.revision, scorer.spec.version)
+        if event_id not in batch:  # a producer retry can put one trajectory twice in a batch
+            batch[event_id] = (traj, scorer(traj))
+    if not batch:
         return
-    rows = [
-        {
-            "trajectory_id": s.trajectory_id,
-            "revision": s.revision,
-            "reward_spec_version": s.reward_spec_version,
-            "event_id": s.event_id,
-            "tenant": s.tenant,
-            "total_reward": s.total_reward,
-            "ts": s.ts,
-            "payload": s.model_dump(mode="json"),
-        }
-        for s in scored
-    ]
+    spec = scorer.spec
+    out: list[ScoredTrajectory] = []
     with sessions() as db, db.begin():
-        new = insert_ignore(db, ScoredTrajectoryRow, rows)
-    counters["scored"] += new
-    counters["duplicates"] += len(rows) - new
-    topic = settings.topic("scored")
-    for s in scored:  # re-produced even when not new: the previous attempt may have died before its flush
-        producer.send(topic, s.session_id, s.to_bytes())
+        stored = store.stored_payloads(db, batch)
+        fresh: list[ScoredTrajectory] = []
+        for event_id, (traj, rewards) in batch.items():
+            if event_id in stored:
+                out.append(ScoredTrajectory.model_validate(stored[event_id]))
+                continue
+            held_out = scorer.held_out(traj)
+            advantages = None if held_out else normaliser.advantages(
+                traj.tenant, traj.model_line, traj.prompt_key, rewards.turn_rewards)
+            fresh.append(scorer.scored(traj, rewards, advantages=advantages, held_out=held_out))
+        encoded = {s.event_id: s.model_dump_json() for s in fresh}  # stored and produced from one encoding
+        inserted = store.insert_scored(db, fresh, encoded)
+        new = [s for s in fresh if s.event_id in inserted]
+        store.apply_stats(db, spec, store.stats_deltas(db, spec.version, new))
+        lost = [s.event_id for s in fresh if s.event_id not in inserted]  # another worker scored them first
+        out += [ScoredTrajectory.model_validate(p) for p in store.stored_payloads(db, lost).values()]
+        out += new
+    counters["scored"] += len(new)
+    counters["held_out"] += sum(s.held_out for s in new)
+    counters["duplicates"] += len(batch) - len(new)
+    mine = {id(s) for s in new}
+    for s in out:  # re-produced even when not new: the previous attempt may have died before its flush
+        if not s.held_out:
+            text = encoded[s.event_id] if id(s) in mine else None
+            producer.send(topic, s.session_id, text.encode() if text is not None else s.to_bytes())
     producer.flush()
 
 
 def run(settings: Settings, stop: threading.Event | None = None) -> None:
     """Score trajectories until ``stop`` is set (see the module docstring)."""
     stop = stop or threading.Event()
+    spec = load_spec(settings.rewards.spec_path)
     engine = open_database(settings.database_url, settings.db.wait_s)
     sessions = make_session_factory(engine)
+    scorer = Scorer(spec, transcripts=store.DbTranscripts(sessions),
+                    judge_api_key=settings.rewards.judge_api_key)
+    normaliser = Normaliser(spec.normalise)
+    with sessions() as db, db.begin():
+        store.register_spec(db, spec)
+        restored = store.restore_normaliser(db, normaliser, spec.version, settings.rewards.restore_rows)
     bus = make_bus(settings)
-    source = settings.topic("trajectories")
-    bus.ensure_topics([source, settings.topic("scored")])
-    consumer = bus.consumer("rewards", [source])
+    source, topic = settings.topic("trajectories"), settings.topic("scored")
+    bus.ensure_topics([source, topic])
+    consumer = bus.consumer(settings.group("rewards"), [source])
     producer = bus.producer()
     counters: Counter[str] = Counter()
-    log.info("rewards scoring %s with spec %s", source, settings.rewards.spec_version)
+    log.info("rewards scoring %s with spec %s (%s; normalisation restored from %d rows)",
+             source, spec.version, spec.sha256[:12], restored)
     try:
         while not stop.is_set():
             records = consumer.poll(timeout_s=POLL_TIMEOUT_S, max_records=MAX_RECORDS)
             if records:
-                process(records, consumer, sessions, producer, settings, counters)
+                process(records, consumer, sessions, producer, scorer, normaliser, topic, counters)
                 consumer.commit(records)
     finally:
         log.info("rewards stopping: %s", dict(counters))
         consumer.close()
         producer.close()
         bus.close()
+        scorer.close()
         engine.dispose()

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flywheel.events import Segment
+from flywheel.events import ScoredTrajectory, Segment
 
 
 def group_baselines(samples: Sequence[tuple[str | None, Sequence[float]]]) -> list[float]:
@@ -53,6 +53,22 @@ def group_baselines(samples: Sequence[tuple[str | None, Sequence[float]]]) -> li
         else:
             out.append(batch_mean)
     return out
+
+
+def turn_values(samples: Sequence[ScoredTrajectory]) -> list[tuple[list[float], float]]:
+    """Per sample, ``(per-turn values, baseline)`` whose difference is each turn's advantage.
+
+    A sample carrying ``turn_advantages`` (the rewards stage normalised it: group-relative per
+    prompt or against running statistics, see rewards/normalise.py) gives them with baseline 0.
+    The others (payloads from before the stage provided advantages) fall back to their turn
+    rewards and :func:`group_baselines` computed among themselves.
+    """
+    legacy = [i for i, s in enumerate(samples) if s.turn_advantages is None]
+    baselines = dict(zip(legacy, group_baselines([(samples[i].prompt_key, samples[i].turn_rewards) for i in legacy])))
+    return [
+        (list(s.turn_rewards), baselines[i]) if s.turn_advantages is None else (list(s.turn_advantages), 0.0)
+        for i, s in enumerate(samples)
+    ]
 
 
 def token_advantages(turn_rewards: Sequence[float], segments: Sequence[Segment], baseline: float) -> list[torch.Tensor]:

@@ -19,8 +19,11 @@ publish -> commit offsets -> cleanup.
 - Off-policy data is explicit: every sample carries its behaviour versions, the buffer drops (and
   counts) samples more than ``trainer.max_staleness`` versions old, and the loss corrects for the
   rest with a clipped, truncated importance ratio against the served logprobs (``trainer.loss``).
-- Baselines are group-relative per ``prompt_key`` when a batch holds two or more samples of one
-  prompt, else the batch mean (``trainer.loss.group_baselines``).
+- Advantages come from the rewards stage: each sample's per-turn ``turn_advantages`` (group-relative
+  per prompt, else against running statistics per tenant and model line; rewards/normalise.py).
+  Samples without them (older payloads) fall back to baselines that are group-relative per
+  ``prompt_key`` when the batch holds two or more samples of one prompt, else the batch mean
+  (``trainer.loss.turn_values``).
 - Offsets are committed only when a version is published (after its checkpoint), and only the
   prefix of records that are done, so a crash never skips a buffered sample.
 - Parity (reported with each version): mean ``|logp_train - logp_served|`` over trainable tokens of
@@ -54,7 +57,7 @@ from flywheel.weights.registry import Registry, State, VersionInfo
 from flywheel.weights.store import make_store
 from trainer import checkpoint
 from trainer.buffer import OffsetTracker, SampleBuffer, behaviour_version, collate
-from trainer.loss import group_baselines, policy_loss
+from trainer.loss import policy_loss, turn_values
 
 log = logging.getLogger("flywheel.trainer")
 
@@ -118,7 +121,7 @@ def train(settings: Settings, stop: threading.Event | None = None) -> None:
     bus = make_bus(settings)
     topic = settings.topic("scored")
     bus.ensure_topics([topic])
-    consumer = bus.consumer("trainer", [topic])
+    consumer = bus.consumer(settings.group("trainer"), [topic])
     log.info("training %s from v%d (step %d), lr=%g, batch %d", settings.model.line, current, step, cfg.lr, cfg.batch_size)
 
     # --- loop ------------------------------------------------------------------------------------
@@ -215,8 +218,10 @@ def train_step(
     measure_parity: bool = False,
 ) -> dict[str, float]:
     """One optimizer step on ``samples``; returns its metrics (``parity`` when asked and measurable)."""
-    baselines = group_baselines([(s.prompt_key, s.turn_rewards) for s in samples])
-    batch = collate(samples, baselines)
+    values = turn_values(samples)
+    # collate() credits each turn ``turn_rewards[i] - baseline``: hand it the advantages that way.
+    batch = collate([s.model_copy(update={"turn_rewards": v}) for s, (v, _) in zip(samples, values)],
+                    [baseline for _, baseline in values])
     logits = model(input_ids=batch.tokens, attention_mask=batch.attention).logits.float()  # [B, T, V]
     # logp_new[:, t] = log p(tokens[:, t] | tokens[:, :t]); position 0 has no context (never trainable).
     picked = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, batch.tokens[:, 1:, None]).squeeze(-1)

@@ -58,6 +58,7 @@ def make_bus(settings: "Settings") -> Bus:
             session_timeout_ms=bus.session_timeout_ms,
             heartbeat_interval_ms=bus.heartbeat_interval_ms,
             max_poll_interval_ms=bus.max_poll_interval_ms,
+            fetch_max_wait_ms=bus.fetch_max_wait_ms,
             compression=bus.compression,
         )
     raise ValueError(f"unknown bus kind {bus.kind!r}")

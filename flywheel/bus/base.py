@@ -62,6 +62,11 @@ class Consumer(Protocol):
     def assignment(self) -> set[tuple[str, int]]:
         """The ``(topic, partition)`` pairs this consumer owns right now (changes only in ``poll``)."""
 
+    def caught_up(self, topic: str, partition: int) -> bool:
+        """True when ``poll`` has returned every record the partition held, as last known (Kafka:
+        the high watermark of the latest fetch); False when records wait, or when not known yet
+        (no fetch so far, or the partition is not owned)."""
+
     def close(self) -> None: ...
 
 

@@ -60,7 +60,8 @@ class KafkaBus:
         session_timeout_ms: int = 10_000,
         heartbeat_interval_ms: int = 1_000,
         max_poll_interval_ms: int = 300_000,
-        compression: str = "gzip",
+        fetch_max_wait_ms: int = 100,
+        compression: str = "lz4",
         replication_factor: int = 1,
         client_id: str = "flywheel",
     ) -> None:
@@ -69,6 +70,7 @@ class KafkaBus:
         self.session_timeout_ms = session_timeout_ms
         self.heartbeat_interval_ms = heartbeat_interval_ms
         self.max_poll_interval_ms = max_poll_interval_ms
+        self.fetch_max_wait_ms = fetch_max_wait_ms
         self.compression = None if compression == "none" else compression
         self.replication_factor = replication_factor
         self.client_id = client_id
@@ -130,6 +132,7 @@ class KafkaBus:
             session_timeout_ms=self.session_timeout_ms,
             heartbeat_interval_ms=self.heartbeat_interval_ms,
             max_poll_interval_ms=self.max_poll_interval_ms,
+            fetch_max_wait_ms=self.fetch_max_wait_ms,
         )
         return KafkaBusConsumer(self, consumer)
 
@@ -216,6 +219,14 @@ class KafkaBusConsumer:
 
     def assignment(self) -> set[tuple[str, int]]:
         return {(tp.topic, tp.partition) for tp in self._consumer.assignment()}
+
+    def caught_up(self, topic: str, partition: int) -> bool:
+        # kafka-python's public position() may block on a committed-offset fetch; the subscription
+        # state holds the same position (next record poll returns) and the latest high watermark.
+        state = self._consumer._subscription.assignment.get(TopicPartition(topic, partition))
+        if state is None or state.highwater is None or state.position is None:
+            return False
+        return state.position.offset >= state.highwater
 
     def poll(self, timeout_s: float = 1.0, max_records: int = 500) -> list[Record]:
         batches = self._consumer.poll(timeout_ms=int(timeout_s * 1000), max_records=max_records)

@@ -328,6 +328,14 @@ class LocalLogConsumer:
     def assignment(self) -> set[tuple[str, int]]:
         return set(self._owned)
 
+    def caught_up(self, topic: str, partition: int) -> bool:
+        state = self._owned.get((topic, partition))
+        if state is None:
+            return False
+        if state.log_fd is None:
+            return not state.log_path.exists()  # no record was ever written there
+        return state.seeked and os.fstat(state.log_fd).st_size <= state.position
+
     def _target(self) -> set[tuple[str, int]]:
         pairs = []
         for topic in self.topics:

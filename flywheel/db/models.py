@@ -19,6 +19,7 @@ from typing import Any
 from sqlalchemy import (
     JSON,
     BigInteger,
+    Boolean,
     DateTime,
     Dialect,
     Float,
@@ -156,6 +157,35 @@ class ScoredTrajectoryRow(Base):
     __table_args__ = (
         UniqueConstraint("trajectory_id", "revision", "reward_spec_version", name="uq_scored_revision_spec"),
     )
+
+
+class RewardSpecRow(Base):
+    """Every reward spec version used, with the fingerprint (sha256 of the resolved spec) it names forever."""
+
+    __tablename__ = "reward_specs"
+
+    version: Mapped[str] = mapped_column(String(64), primary_key=True)
+    sha256: Mapped[str] = mapped_column(String(64))
+    spec: Mapped[dict] = mapped_column(JSON)
+    created_at: Mapped[datetime]
+
+
+class RewardVersionStats(Base):
+    """Per model version and reward spec: total-reward sums of the trajectories the version served
+    (their last turn), training and held-out apart, and the anomaly verdict (rewards/guards.py)."""
+
+    __tablename__ = "reward_version_stats"
+
+    model_line: Mapped[str] = mapped_column(String(128), primary_key=True)
+    model_version: Mapped[int] = mapped_column(Integer, primary_key=True)
+    reward_spec_version: Mapped[str] = mapped_column(String(64), primary_key=True)
+    train_count: Mapped[int] = mapped_column(Integer, default=0)
+    train_sum: Mapped[float] = mapped_column(Float, default=0.0)
+    held_out_count: Mapped[int] = mapped_column(Integer, default=0)
+    held_out_sum: Mapped[float] = mapped_column(Float, default=0.0)
+    flagged: Mapped[bool] = mapped_column(Boolean, default=False)
+    flag_reason: Mapped[str] = mapped_column(Text, default="")
+    updated_at: Mapped[datetime]
 
 
 class ModelVersion(Base):

@@ -16,6 +16,7 @@ Invariants:
 
 from __future__ import annotations
 
+import json
 import threading
 
 import time
@@ -23,6 +24,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+import orjson
 from sqlalchemy import Engine, create_engine, event, text
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import OperationalError
@@ -48,13 +50,28 @@ def _sqlite_file(url: URL) -> Path | None:
     return Path(database)
 
 
+class JSONText(str):
+    """A JSON column value already serialised (e.g. ``model.model_dump_json()``): stored as is."""
+
+
+def json_dumps(value: Any) -> str:
+    """The engines' JSON serialiser: :class:`JSONText` as is, the rest through orjson (json for
+    what orjson refuses, such as integers beyond 64 bits)."""
+    if isinstance(value, JSONText):
+        return value
+    try:
+        return orjson.dumps(value).decode()
+    except TypeError:
+        return json.dumps(value)
+
+
 def make_engine(url: str | URL, *, connect_timeout_s: float | None = None) -> Engine:
     """An engine for ``url`` configured for concurrent use (see the module invariants)."""
     parsed = make_url(url)
     backend = parsed.get_backend_name()
     if backend == "sqlite":
         return _make_sqlite_engine(parsed, connect_timeout_s)
-    kwargs: dict[str, Any] = {"pool_pre_ping": True}
+    kwargs: dict[str, Any] = {"pool_pre_ping": True, "json_serializer": json_dumps, "json_deserializer": orjson.loads}
     if backend == "postgresql":
         timeout = PG_CONNECT_TIMEOUT_S if connect_timeout_s is None else connect_timeout_s
         kwargs["connect_args"] = {"connect_timeout": max(1, int(round(timeout)))}
@@ -66,7 +83,8 @@ def _make_sqlite_engine(url: URL, connect_timeout_s: float | None) -> Engine:
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
     busy_s = SQLITE_BUSY_TIMEOUT_S if connect_timeout_s is None else connect_timeout_s
-    engine = create_engine(url, connect_args={"timeout": busy_s})
+    engine = create_engine(url, connect_args={"timeout": busy_s}, json_serializer=json_dumps,
+                           json_deserializer=orjson.loads)
 
     @event.listens_for(engine, "connect")
     def _on_connect(dbapi_conn: Any, _record: Any) -> None:

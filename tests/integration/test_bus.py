@@ -127,6 +127,33 @@ def test_per_key_order_and_partitioning(bus_settings: Settings, bus: Bus) -> Non
         assert offsets == sorted(offsets)
 
 
+def test_caught_up_says_when_every_record_of_a_partition_was_returned(bus_settings: Settings, bus: Bus) -> None:
+    topic = _topic(bus_settings, bus)
+    key = "one-key"  # every record on one partition
+    partition = partition_for_key(key, bus_settings.bus.partitions)
+    _produce(bus, topic, [(key, f"v{i}".encode()) for i in range(30)])
+    consumer = bus.consumer(f"caught-{uuid.uuid4().hex[:8]}", [topic])
+    try:
+        assert not consumer.caught_up(topic, partition)  # nothing fetched yet: not known
+        got: list = []
+        deadline = time.monotonic() + 60
+        while not got and time.monotonic() < deadline:
+            got = consumer.poll(0.5, max_records=10)
+        assert len(got) == 10
+        assert not consumer.caught_up(topic, partition)  # 20 records wait
+        while len(got) < 30 and time.monotonic() < deadline:
+            got += consumer.poll(0.5, max_records=10)
+        assert len(got) == 30
+        assert consumer.caught_up(topic, partition)
+        _produce(bus, topic, [(key, b"one more")])
+        more: list = []
+        while not more and time.monotonic() < deadline:
+            more = consumer.poll(0.5, max_records=10)
+        assert [r.value for r in more] == [b"one more"] and consumer.caught_up(topic, partition)
+    finally:
+        consumer.close()
+
+
 def test_uncommitted_records_are_redelivered(bus_settings: Settings, bus: Bus) -> None:
     topic = _topic(bus_settings, bus)
     items = [(f"k{i % 5}", f"v{i}".encode()) for i in range(20)]

@@ -40,6 +40,8 @@ TABLES = {
     "version_transitions",
     "nodes",
     "api_keys",
+    "reward_specs",
+    "reward_version_stats",
 }
 
 
@@ -100,6 +102,23 @@ def test_migrations_match_models(migrated_db_url):
     sa.Index("ix_nodes_region", drifted.tables["nodes"].c.region)
     kinds = {entry[0] if isinstance(entry, tuple) else entry[0][0] for entry in _diff(migrated_db_url, drifted)}
     assert kinds == {"add_column", "add_index"}
+
+
+def test_payloads_are_compressed_with_lz4_on_postgresql(pg_url):
+    upgrade(pg_url)
+    engine = sa.create_engine(pg_url)
+    try:
+        with engine.connect() as conn:
+            methods = dict(conn.execute(sa.text(
+                "SELECT attrelid::regclass::text, attcompression FROM pg_attribute "
+                "WHERE attname = 'payload' AND attrelid::regclass::text = ANY(:tables)"),
+                {"tables": ["generations", "feedback", "trajectories", "scored_trajectories"]}).all())
+            lz4 = conn.execute(sa.text(
+                "SELECT 'lz4' = ANY(enumvals) FROM pg_settings WHERE name = 'default_toast_compression'")).scalar()
+    finally:
+        engine.dispose()
+    assert len(methods) == 4
+    assert set(methods.values()) == ({"l"} if lz4 else {""}), methods
 
 
 def test_insert_ignore_is_idempotent(migrated_db_url):

@@ -34,6 +34,8 @@ pytestmark = pytest.mark.integration
 
 TENANT = "acme"
 N_SESSIONS = 8
+#: The default reward spec without a held-out slice, so every session reaches the scored topic.
+SPEC_VERSION = "pipeline-v1"
 
 
 @dataclass
@@ -93,7 +95,11 @@ def traffic(tiny_model_dir: Path) -> Traffic:
 
 
 def make_settings(data_dir: Path, db_url: str, model_dir: Path, **overrides: Any) -> Settings:
+    data_dir.mkdir(parents=True, exist_ok=True)
+    spec = data_dir / "rewards.toml"
+    spec.write_text(f'extends = "default"\nversion = "{SPEC_VERSION}"\n[guards]\nheld_out_fraction = 0.0\n')
     base: dict[str, Any] = {
+        "rewards": {"spec_path": str(spec)},
         "data_dir": str(data_dir),
         "db": {"url": db_url, "wait_s": 10},
         "model": {"path": str(model_dir)},
@@ -248,7 +254,8 @@ def test_ingest_and_rewards_persist_once_score_and_dead_letter(
     scored_records = read_all(settings, settings.topic("scored"), "t-scored", at_least=N_SESSIONS)
     scored = {ScoredTrajectory.from_bytes(r.value).event_id: ScoredTrajectory.from_bytes(r.value) for r in scored_records}
     assert len(scored) == N_SESSIONS
-    assert {s.reward_spec_version for s in scored.values()} == {settings.rewards.spec_version}
+    assert {s.reward_spec_version for s in scored.values()} == {SPEC_VERSION}
+    assert all(s.turn_advantages is not None and not s.held_out for s in scored.values())
     totals = {s.session_id: s.total_reward for s in scored.values()}
     # solved: thumbs up 1 + task_solved 1; inactivity: thumbs up only;
     # failed: turn 1 thumbs down -1, retry -0.5; turn 2 abandon -0.5.

@@ -7,7 +7,7 @@ from datetime import datetime, timedelta, timezone
 import pytest
 
 from flywheel.events import FeedbackEvent, GenerationEvent, SamplingParams, TrajectoryEvent, feedback_event_id
-from ingest.assemble import assemble, prompt_key_of, trajectory_event_id, trajectory_id_for
+from ingest.assemble import assemble, prompt_key_of, trajectory_event_id, trajectory_id_for, turn_of
 
 pytestmark = pytest.mark.unit
 
@@ -121,3 +121,16 @@ def test_prompt_key_is_the_first_user_message() -> None:
     assert prompt_key_of({}) is None
     structured = [{"type": "text", "text": "q"}]
     assert prompt_key_of({"messages": [{"role": "user", "content": structured}]}) == '[{"text": "q", "type": "text"}]'
+
+
+@pytest.mark.parametrize("sampling", [{"temperature": -0.5}, {"top_p": 0.0}, {"top_p": 1.5}])
+def test_sampling_a_turn_cannot_carry_is_refused_before_it_is_stored(sampling: dict) -> None:
+    """Ingest dead-letters such a generation (``turn_of`` raises) rather than store it and fail
+    every later close of its session."""
+    bad = gen("g1", [1, 2], [3], [-0.1], at=0).model_copy(update={"sampling": SamplingParams(**sampling)})
+    with pytest.raises(ValueError):
+        turn_of(bad, 2, 3)
+    with pytest.raises(ValueError):
+        assemble("acme", "s1", [bad], [], closed_reason="outcome")
+    good = gen("g1", [1, 2], [3], [-0.1], at=0)
+    assert turn_of(good, 2, 3).end == 3

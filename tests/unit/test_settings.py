@@ -75,14 +75,14 @@ bootstrap_servers = "kafka:9092"
 [trainer]
 batch_size = 64
 [rewards]
-thumbs_down = -2.0
+spec_path = "/specs/rewards-v2.toml"
 """,
     )
     s = load_settings(path)
     assert s.data_dir == "/data"
     assert (s.bus.kind, s.bus.bootstrap_servers) == ("kafka", "kafka:9092")
     assert s.trainer.batch_size == 64
-    assert s.rewards.thumbs_down == -2.0
+    assert s.rewards.spec_path == "/specs/rewards-v2.toml"
     assert s.trainer.lr == TrainerSettings().lr  # untouched sections keep their defaults
 
 
