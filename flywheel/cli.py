@@ -32,7 +32,7 @@ ROLES: dict[str, str] = {
 ROLE_HELP = {
     "gateway": "OpenAI-compatible gateway that captures generations and feedback",
     "node": "built-in inference node (tiny model or any local HF model) with its weight updater",
-    "rollout": "rollout controller: promotes new versions on a schedule",
+    "rollout": "rollout controller: gates candidates, runs canaries, promotes or rolls back on a schedule",
     "ingest": "assemble sessions into trajectories, persist raw events",
     "rewards": "score trajectories with the reward spec",
     "trainer": "continuous async policy-gradient trainer that publishes versions",
@@ -86,6 +86,13 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--port", type=int)
         if role == "gateway":
             p.add_argument("--upstream", help="OpenAI-compatible base URL to front (default: the local node)")
+        if role == "rollout":  # no action: the controller loop; serving/rollout.py:main does the others
+            p.add_argument("action", nargs="?", choices=["promote", "rollback", "status"],
+                           help="promote V: make V stable; rollback V: roll back a canary, or the stable version "
+                                "(restores the newest earlier stable one); status: versions and the next decision")
+            p.add_argument("version", nargs="?", type=int, help="promote / rollback: the version")
+            p.add_argument("--reason", help="promote / rollback: added to the audited reason")
+            p.add_argument("--json", action="store_true", help="status: print JSON")
         if role == "rewards":  # no action: the worker; rewards/rescore.py does the other two
             p.add_argument("action", nargs="?", choices=["rescore", "report"],
                            help="rescore: rebuild scores from stored trajectories under --spec (no bus); "
@@ -158,6 +165,8 @@ def dispatch(args: argparse.Namespace, settings: Settings) -> int:
 
         print(ensure_default_model(settings.data_path / "models", quick=args.quick))
         return 0
+    if command == "rollout" and args.action:
+        return resolve("serving.rollout:main")(args, settings)
     if command == "rewards" and args.action:
         return resolve("rewards.rescore:main")(args, settings)
     if command in ROLES:
@@ -173,7 +182,7 @@ def dispatch(args: argparse.Namespace, settings: Settings) -> int:
         options = DemoOptions.from_args(args)
         return run_demo(settings, options, stop_on_signals())
     if command == "weights":
-        return args.weights_func(args)
+        return args.weights_func(args, settings)
     if command == "keys":
         from flywheel.keys import run_keys_command
 

@@ -55,7 +55,9 @@ class DemoOptions:
 
 #: Settings the demo runs with, on top of the user's (fast schedules: seconds, not hours).
 DEMO_OVERRIDES: dict[str, Any] = {
-    "rollout": {"interval_s": 4.0},
+    # Versions come every few seconds: no canary (a canary needs minutes of traffic to judge);
+    # candidates still pass the held-out and parity gates before they go stable.
+    "rollout": {"interval_s": 4.0, "canary_fraction": 0.0},
     "ingest": {"inactivity_timeout_s": 4.0},
     "node": {"poll_s": 0.5},
     # Versions come every few seconds here, so behaviour data is a few versions old by the time

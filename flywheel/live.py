@@ -10,6 +10,9 @@ Invariants:
   caller gets that winning value back (the sticky-session primitive).
 - ``heartbeats()`` returns only nodes whose last heartbeat has not yet expired.
 - Redis keys all start with ``settings.live.key_prefix``; nothing outside the prefix is touched.
+- Notifications (``notify`` / ``listen``) are wake-ups, not messages: best effort, no payload, no
+  replay. A listener that misses one (Redis down, not yet subscribed) still polls the source of
+  truth on its own schedule; a notification only makes it look sooner.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from flywheel.settings import Settings
@@ -36,6 +40,13 @@ class LiveState(Protocol):
     def heartbeat(self, node_id: str, payload: dict[str, Any], ttl_s: float) -> None: ...
 
     def heartbeats(self) -> dict[str, dict[str, Any]]: ...
+
+    def notify(self, channel: str) -> None:
+        """Wake every listener of ``channel``."""
+
+    def listen(self, channel: str, wake: threading.Event) -> Callable[[], None]:
+        """Set ``wake`` whenever ``channel`` is notified, until the returned function is called."""
+        ...
 
     def close(self) -> None: ...
 
@@ -58,6 +69,7 @@ class MemoryLive:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._values: dict[str, tuple[str, float | None]] = {}
+        self._listeners: dict[str, list[threading.Event]] = {}
         self._beats: dict[str, tuple[dict[str, Any], float]] = {}
 
     def _live_value(self, key: str, now: float) -> str | None:
@@ -107,6 +119,23 @@ class MemoryLive:
             for node_id in [n for n, (_, expires) in self._beats.items() if expires <= now]:
                 del self._beats[node_id]
             return {node_id: json.loads(json.dumps(payload)) for node_id, (payload, _) in self._beats.items()}
+
+    def notify(self, channel: str) -> None:
+        with self._lock:
+            listeners = list(self._listeners.get(channel, ()))
+        for wake in listeners:
+            wake.set()
+
+    def listen(self, channel: str, wake: threading.Event) -> Callable[[], None]:
+        with self._lock:
+            self._listeners.setdefault(channel, []).append(wake)
+
+        def stop() -> None:
+            with self._lock:
+                if wake in self._listeners.get(channel, []):
+                    self._listeners[channel].remove(wake)
+
+        return stop
 
     def close(self) -> None:
         pass
@@ -195,6 +224,38 @@ class RedisLive:
     def heartbeats(self) -> dict[str, dict[str, Any]]:
         flat = self._heartbeats(keys=self._beat_keys)
         return {flat[i]: json.loads(flat[i + 1]) for i in range(0, len(flat), 2)}
+
+    def notify(self, channel: str) -> None:
+        self._redis.publish(f"{self.prefix}channel:{channel}", "1")
+
+    def listen(self, channel: str, wake: threading.Event) -> Callable[[], None]:
+        """A daemon thread subscribed to the channel (re-subscribing after connection errors)."""
+        import redis
+
+        done = threading.Event()
+        name = f"{self.prefix}channel:{channel}"
+
+        def run() -> None:
+            while not done.is_set():
+                pubsub = self._redis.pubsub(ignore_subscribe_messages=True)
+                try:
+                    pubsub.subscribe(name)
+                    while not done.is_set():
+                        if pubsub.get_message(timeout=1.0) is not None:
+                            wake.set()
+                except (redis.ConnectionError, redis.TimeoutError, OSError):
+                    done.wait(1.0)  # Redis away: the listener's own polling carries on meanwhile
+                finally:
+                    pubsub.close()
+
+        thread = threading.Thread(target=run, name=f"listen-{channel}", daemon=True)
+        thread.start()
+
+        def stop() -> None:
+            done.set()
+            thread.join(timeout=5.0)
+
+        return stop
 
     def close(self) -> None:
         self._redis.close()

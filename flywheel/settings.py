@@ -59,9 +59,15 @@ class StoreSettings(_Section):
     kind: Literal["folder", "s3"] = "folder"
     #: Empty means ``{data_dir}/weights``.
     path: str = ""
+    #: kind = "s3": the bucket, the key prefix inside it, an endpoint for S3-compatible servers
+    #: (empty: AWS) and the region. Credentials come from boto3's chain (AWS_* variables, ...).
     bucket: str = ""
     prefix: str = "flywheel/"
     endpoint_url: str = ""
+    region: str = ""
+    #: A folder the nodes of one region share as their cache of the store (each object crosses
+    #: into the region once); empty: every reader goes to the store itself.
+    cache_path: str = ""
 
 
 class ModelSettings(_Section):
@@ -204,10 +210,33 @@ class TrainerSettings(_Section):
 
 
 class RolloutSettings(_Section):
+    """The rollout controller's policy (serving/rollout.py has the statistics and their reading)."""
+
     #: Seconds between rollout decisions (hours in production, seconds in the demo).
     interval_s: float = Field(10.0, gt=0)
-    #: Share of new sessions the gateway sends to a version in ``canary`` status.
+    #: Share of new sessions the gateway sends to a version in ``canary`` status. 0: no canary,
+    #: a candidate that passes its gates is promoted to stable directly.
     canary_fraction: float = Field(0.1, ge=0, le=1)
+    #: A canary is promoted no earlier than this many seconds after it started.
+    window_s: float = Field(3600.0, ge=0)
+    #: Generations the canary and the stable version must each have served since the canary
+    #: started before they are compared (fewer: keep waiting).
+    min_samples: int = Field(200, ge=1)
+    #: Significance of the one-sided tests that roll a canary back (each test at this level).
+    alpha: float = Field(0.05, gt=0, lt=1)
+    #: Latency counts as worse only beyond this relative margin over stable's (0.1: 10% slower).
+    latency_tolerance: float = Field(0.1, ge=0)
+    #: Held-out gate: both versions need this many held-out trajectories (one reward spec version)
+    #: before their held-out reward rates are compared.
+    held_out_min_samples: int = Field(100, ge=1)
+    #: Held-out gate: a version whose held-out reward rate is below stable's by more than this
+    #: (absolute, in the spec's reward units) is not promoted.
+    held_out_tolerance: float = Field(0.02, ge=0)
+    #: Parity gate: the version metric holding the trainer/inference logprob mismatch (the trainer
+    #: records ``parity``: mean |trainer logprob - served logprob| over on-policy tokens, nats).
+    parity_metric: str = Field("parity", min_length=1)
+    #: Parity gate: a version whose parity figure is at or above this is not promoted.
+    parity_max: float = Field(0.05, gt=0)
 
 
 class Settings(BaseSettings):

@@ -1,47 +1,92 @@
-"""The rollout controller: on a schedule, decide which version becomes stable, and apply it.
+"""The rollout controller: on a schedule, gate candidates, run canaries, promote or roll back.
 
-:func:`decide` is the pure policy: the newest ``candidate`` newer than the current stable version
-(or any candidate when nothing is stable yet). Gates (held-out metrics, canary results) plug in
-later as predicates a candidate must pass before :func:`decide` may pick it — see ``gates``.
-:func:`run` is the IO loop: every ``rollout.interval_s`` read the registry, decide, and promote via
-``Registry.set_status(v, "stable", ...)`` (the registry retires the previous stable and audits it),
-then announce it as a :class:`~flywheel.events.VersionEvent` on the ``versions`` topic.
+Every ``rollout.interval_s`` :func:`step` reads the registry and does at most one of:
 
-Invariants: a decision never moves stable backwards (rollbacks are explicit and come with
-canaries); one promotion per tick; the registry is the only state.
+1. **No canary running**: the newest ``candidate`` newer than stable that passes its gates
+   (:func:`choose_candidate`) becomes ``canary`` (the gateway sends it ``canary_fraction`` of new
+   sessions, sticky per session), or ``stable`` directly when ``canary_fraction`` is 0 or nothing
+   is stable yet. The gates:
+
+   - *held-out reward* (:func:`held_out_gate`, from ``reward_version_stats``): under the newest
+     reward spec version in which both the candidate and stable have ``held_out_min_samples``
+     held-out trajectories, the candidate's held-out reward rate (mean total reward) may not be
+     below stable's by more than ``held_out_tolerance``; a version the reward guard flagged
+     (training reward up, held-out not) fails. Without enough held-out samples (normal for a
+     candidate that has served no traffic yet) the gate passes and says so in its reason.
+   - *numerical parity* (:func:`parity_gate`): the version metric ``parity_metric`` (the trainer
+     records ``parity``, the mean absolute difference between its logprobs and the served ones on
+     on-policy tokens, in nats) must be below ``parity_max``; a version without it passes.
+
+2. **A canary is running**: its generations since it became canary (its newest ``canary``
+   transition) are compared with stable's over the same window (:func:`judge_canary`):
+
+   - negative-feedback rate: generations with at least one negative feedback event naming them
+     (thumbs with value < 0, ``edit_rejected``, ``retry``, ``abandon``; session-level feedback and
+     ratings are not counted) over generations served;
+   - error rate: generations whose ``finish_reason`` is ``"error"``. Requests the gateway failed
+     (502/504 from the upstream) produce no generation event, so they are **not** counted: this
+     rate only sees errors an engine reports inside a completed response;
+   - latency: ``latency_ms`` of the generation events (the newest ``LATENCY_SAMPLE_CAP`` each).
+
+   The rates use a one-sided two-proportion z-test (pooled variance, normal approximation,
+   :func:`two_proportion_test`); latency a one-sided Mann-Whitney U test (normal approximation
+   with tie and continuity corrections, :func:`mann_whitney_greater`) of the canary's latencies
+   against stable's multiplied by ``1 + latency_tolerance``: a canary up to that much slower is
+   not "worse". Each test is worse at ``p < alpha`` (no multiple-comparison correction: three
+   tests at 0.05 roll back an equal canary about 14% of the time at each look).
+
+   Until both versions served ``min_samples`` generations: wait. Then any test worse (or the
+   held-out gate failing now that the canary served traffic): ``rolled_back`` at once (the
+   repeated looks make false rollbacks likelier, never false promotions). Otherwise, once
+   ``window_s`` has passed: ``stable`` (the registry retires the old stable).
+
+Every decision is logged with its figures, every status change carries them (short) as the
+registry's audited reason and is announced as a :class:`~flywheel.events.VersionEvent` on the
+``versions`` topic. :func:`main` is ``flywheel rollout promote|rollback|status``.
+
+Invariants: the statistics and the decisions are pure functions of plain numbers
+(``serving.rollout_policy``); the IO around
+them is reads of the registry and the database and :meth:`Registry.set_status`; the registry is
+the only state; at most one status change per tick (a manual rollback of stable makes two: the
+restored version first, so a stable version always exists); a decision is applied only while the
+version still has the status it was decided on (re-read just before: ``Registry.set_status`` has
+no compare-and-set, so a manual change in that last instant can still race it).
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import logging
 import threading
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
 from typing import Any, Callable, Sequence
 
 from flywheel.events import VersionEvent
-from flywheel.settings import Settings
+from flywheel.settings import RolloutSettings, Settings
+from serving.rollout_policy import (
+    LATENCY_SAMPLE_CAP, NEGATIVE_SIGNALS, GateResult, HeldOutRow, VersionSample, choose_candidate, held_out_gate,
+    judge_canary, parity_gate, previous_stable,
+)
 
 log = logging.getLogger(__name__)
 
-#: A gate says whether a candidate may be promoted (True) given all versions; none exist yet.
-Gate = Callable[[Any, Sequence[Any]], bool]
+# --- IO --------------------------------------------------------------------------------------------
 
 
-def decide(versions: Sequence[Any], gates: Sequence[Gate] = ()) -> int | None:
-    """The version to promote to stable now, or None.
+@dataclass(frozen=True)
+class Decision:
+    action: str  # none | wait | canary | promote | rollback
+    version: int | None
+    reason: str
+    figures: dict[str, Any] = field(default_factory=dict)
+    #: The status ``version`` had when this was decided (applied only if it still has it).
+    was: str | None = None
 
-    ``versions`` are ``VersionInfo``-like objects with ``version`` and ``status``.
-    """
-    stable = [v.version for v in versions if v.status == "stable"]
-    floor = max(stable) if stable else -1
-    candidates = sorted(
-        (v for v in versions if v.status == "candidate" and v.version > floor),
-        key=lambda v: v.version,
-        reverse=True,
-    )
-    for candidate in candidates:
-        if all(gate(candidate, versions) for gate in gates):
-            return candidate.version
-    return None
+    @property
+    def changed(self) -> bool:
+        return self.action in ("canary", "promote", "rollback")
 
 
 def version_event(info: Any) -> VersionEvent:
@@ -53,29 +98,156 @@ def version_event(info: Any) -> VersionEvent:
     )
 
 
-def tick(registry: Any, notify: Callable[[VersionEvent], None] | None = None) -> int | None:
-    """One rollout decision applied to ``registry``; returns the promoted version, if any.
+def held_out_rows(db: Any, model_line: str, versions: Sequence[int]) -> list[HeldOutRow]:
+    """The ``reward_version_stats`` rows of ``versions``, newest reward spec version first."""
+    from sqlalchemy import select
 
-    ``notify`` receives a :class:`VersionEvent` for the promotion (``run`` sends it to the bus).
-    """
-    version = decide(registry.versions())
-    if version is not None:
-        registry.set_status(version, "stable", reason="rollout: newest candidate")
-        log.info("rollout: version %d is now stable", version)
+    from flywheel.db.models import RewardSpecRow, RewardVersionStats as T
+
+    query = (select(T.reward_spec_version, T.model_version, T.held_out_count, T.held_out_sum, T.flagged, T.flag_reason)
+             .outerjoin(RewardSpecRow, RewardSpecRow.version == T.reward_spec_version)
+             .where(T.model_line == model_line, T.model_version.in_(list(versions)))
+             .order_by(RewardSpecRow.created_at.desc().nulls_last(), T.reward_spec_version.desc()))
+    return [HeldOutRow(s, v, int(n), float(total), bool(f), r or "") for s, v, n, total, f, r in db.execute(query)]
+
+
+def version_sample(db: Any, model_line: str, version: int, since: datetime) -> VersionSample:
+    """What ``version`` served since ``since`` (module docstring, step 2)."""
+    from sqlalchemy import and_, distinct, func, or_, select
+
+    from flywheel.db.models import Feedback, Generation as G
+
+    served = and_(G.model_line == model_line, G.model_version == version, G.ts >= since)
+    n = db.scalar(select(func.count()).select_from(G).where(served)) or 0
+    errors = db.scalar(select(func.count()).select_from(G)
+                       .where(served, G.payload["finish_reason"].as_string() == "error")) or 0
+    negative_feedback = or_(and_(Feedback.signal == "thumbs", Feedback.value < 0),
+                            Feedback.signal.in_(NEGATIVE_SIGNALS))
+    negative = db.scalar(
+        select(func.count(distinct(G.generation_id))).select_from(G)
+        .join(Feedback, and_(Feedback.generation_id == G.generation_id, Feedback.tenant == G.tenant))
+        .where(served, negative_feedback)) or 0
+    latencies = db.scalars(select(G.payload["latency_ms"].as_float()).where(served)
+                           .order_by(G.ts.desc()).limit(LATENCY_SAMPLE_CAP)).all()
+    return VersionSample(int(n), int(negative), int(errors), tuple(float(v) for v in latencies if v is not None))
+
+
+def _gates(registry: Any, db: Any, stable: int | None, policy: RolloutSettings) -> Callable[[Any], list[GateResult]]:
+    def gate(info: Any) -> list[GateResult]:
+        rows = held_out_rows(db, registry.model_line, [info.version] + ([stable] if stable is not None else []))
+        return [held_out_gate(rows, info.version, stable, policy), parity_gate(info.metrics, policy)]
+    return gate
+
+
+def canary_started(transitions: Sequence[dict[str, Any]]) -> datetime | None:
+    return max((t["at"] for t in transitions if t["to_status"] == "canary"), default=None)
+
+
+def evaluate(registry: Any, sessions: Any, policy: RolloutSettings, now: datetime | None = None) -> Decision:
+    """The decision for this tick, without applying it (``flywheel rollout status`` shows it)."""
+    now = now or datetime.now(UTC)
+    versions = registry.versions()
+    stable = max((v.version for v in versions if v.status == "stable"), default=None)
+    canary = max((v for v in versions if v.status == "canary"), key=lambda v: v.version, default=None)
+    with sessions() as db:
+        gate = _gates(registry, db, stable, policy)
+        if canary is None:
+            chosen, results = choose_candidate(versions, gate)
+            blocked = {v: "; ".join(r.reason for r in rs if not r.ok) for v, rs in results.items() if v != chosen}
+            figures = {"blocked": blocked} if blocked else {}
+            if chosen is None:
+                why = f"candidates blocked: {blocked}" if blocked else "no candidate newer than stable"
+                return Decision("none", None, why, figures)
+            gates = "; ".join(r.reason for r in results[chosen])
+            if policy.canary_fraction > 0 and stable is not None:
+                return Decision("canary", chosen, f"canary {policy.canary_fraction:.0%} vs v{stable}; {gates}", figures,
+                                "candidate")
+            why = "nothing stable yet" if stable is None else "canary_fraction 0"
+            return Decision("promote", chosen, f"direct ({why}); {gates}", figures, "candidate")
+        if stable is None:
+            return Decision("promote", canary.version, "canary with no stable version to compare with", {}, "canary")
+        since = canary_started(registry.transitions(canary.version)) or canary.created_at
+        failed = [r for r in gate(canary) if not r.ok]
+        verdict = judge_canary(version_sample(db, registry.model_line, canary.version, since),
+                               version_sample(db, registry.model_line, stable, since),
+                               (now - since).total_seconds(), policy)
+    if failed:  # the held-out gate, now that the canary served traffic (or a stricter policy)
+        return Decision("rollback", canary.version, "gate failed: " + "; ".join(r.reason for r in failed),
+                        verdict.figures, "canary")
+    return Decision(verdict.action, canary.version, f"canary v{canary.version} vs v{stable}: {verdict.reason}",
+                    verdict.figures, "canary")
+
+
+_STATUS_OF = {"canary": "canary", "promote": "stable", "rollback": "rolled_back"}
+
+
+def step(registry: Any, sessions: Any, policy: RolloutSettings,
+         notify: Callable[[VersionEvent], None] | None = None, now: datetime | None = None) -> Decision:
+    """Decide (:func:`evaluate`), log the decision with its figures, apply and announce it."""
+    decision = evaluate(registry, sessions, policy, now)
+    if decision.changed:
+        assert decision.version is not None
+        current = registry.get(decision.version).status
+        if current != decision.was:  # an operator moved it meanwhile: decide again next tick
+            log.warning("rollout: v%d is %s now, not %s: skipping %s", decision.version, current, decision.was,
+                        decision.action)
+            return Decision("none", decision.version, f"v{decision.version} changed to {current} meanwhile")
+        registry.set_status(decision.version, _STATUS_OF[decision.action], reason=f"rollout: {decision.reason}")
+        log.info("rollout: v%d -> %s: %s", decision.version, _STATUS_OF[decision.action], decision.reason)
         if notify is not None:
-            notify(version_event(registry.get(version)))
-    return version
+            notify(version_event(registry.get(decision.version)))
+    else:  # "none" with nothing to look at is every quiet tick: DEBUG
+        level = logging.DEBUG if decision.action == "none" and not decision.figures else logging.INFO
+        log.log(level, "rollout: %s%s: %s", decision.action,
+                f" v{decision.version}" if decision.version is not None else "", decision.reason)
+    return decision
 
 
-def run(settings: Settings, stop: threading.Event | None = None) -> None:
-    """Promote on schedule until ``stop`` is set."""
-    from flywheel.bus import make_bus
+def tick(registry: Any, notify: Callable[[VersionEvent], None] | None = None, rollout: RolloutSettings | None = None,
+         sessions: Any = None, now: datetime | None = None) -> int | None:
+    """One :func:`step`; returns the version whose status changed, if any.
+
+    ``rollout`` None: the default policy without a canary (gated candidates go straight to
+    stable). ``sessions`` None: the registry's own session factory (same database).
+    """
+    policy = rollout if rollout is not None else RolloutSettings(canary_fraction=0.0)
+    decision = step(registry, sessions if sessions is not None else registry._sessions, policy, notify, now)
+    return decision.version if decision.changed else None
+
+
+def _open(settings: Settings) -> tuple[Any, Any, Any]:
     from flywheel.db.session import make_session_factory, open_database
     from flywheel.weights.registry import Registry
     from flywheel.weights.store import make_store
 
     db = open_database(settings.database_url, settings.db.wait_s)
-    registry = Registry(make_session_factory(db), make_store(settings), settings.model.line)
+    sessions = make_session_factory(db)
+    return db, sessions, Registry(sessions, make_store(settings), settings.model.line, announce=_waker(settings))
+
+
+def _waker(settings: Settings) -> Callable[[Any], None]:
+    """Wakes the nodes after a status change (``flywheel.live`` notification; best effort: the
+    nodes poll the registry anyway)."""
+    from flywheel.live import make_live
+    from serving.node.updater import version_channel
+
+    def wake(info: Any) -> None:
+        live = make_live(settings)
+        try:
+            live.notify(version_channel(info.model_line))
+        except Exception as exc:  # Redis away: the nodes find the change at their next poll
+            log.warning("could not notify the nodes of v%s: %s", info.version, exc)
+        finally:
+            live.close()
+
+    return wake
+
+
+def run(settings: Settings, stop: threading.Event | None = None) -> None:
+    """Decide on schedule until ``stop`` is set."""
+    from flywheel.bus import make_bus
+
+    db, sessions, registry = _open(settings)
     bus = make_bus(settings)
     topic = settings.topic(VersionEvent.topic)
     bus.ensure_topics([topic])
@@ -88,9 +260,111 @@ def run(settings: Settings, stop: threading.Event | None = None) -> None:
     stop = stop or threading.Event()
     try:
         while not stop.is_set():
-            tick(registry, notify)
+            step(registry, sessions, settings.rollout, notify)
             stop.wait(settings.rollout.interval_s)
     finally:
         producer.close()
         bus.close()
         db.dispose()
+
+
+# --- flywheel rollout promote | rollback | status ------------------------------------------------
+
+
+class RolloutError(Exception):
+    """A manual rollout command that cannot be applied (the message says why)."""
+
+
+def manual_promote(registry: Any, version: int, reason: str = "") -> list[int]:
+    """Make ``version`` stable (audited); returns the versions whose status changed."""
+    info = registry.get(version)
+    if info.status == "collected":
+        raise RolloutError(f"v{version} was garbage-collected; its weights are gone")
+    if info.status == "stable":
+        raise RolloutError(f"v{version} is already stable")
+    note = f": {reason}" if reason else ""
+    registry.set_status(version, "stable", reason=f"manual promote (was {info.status}){note}")
+    return [version]
+
+
+def manual_rollback(registry: Any, version: int, reason: str = "") -> list[int]:
+    """Roll back a canary, or the stable version (restoring :func:`previous_stable` first)."""
+    info = registry.get(version)
+    note = f": {reason}" if reason else ""
+    if info.status == "canary":
+        registry.set_status(version, "rolled_back", reason=f"manual rollback of canary{note}")
+        return [version]
+    if info.status != "stable":
+        raise RolloutError(f"v{version} is {info.status}; only a canary or the stable version can be rolled back")
+    restore = previous_stable(registry.versions(), registry.transitions(), version)
+    if restore is None:
+        raise RolloutError(f"no earlier stable version (not rolled back or collected) to restore instead of v{version}")
+    registry.set_status(restore, "stable", reason=f"manual rollback of v{version}: restored{note}")
+    registry.set_status(version, "rolled_back", reason=f"manual rollback; v{restore} restored{note}")
+    return [restore, version]
+
+
+def status_report(registry: Any, sessions: Any, policy: RolloutSettings, limit: int = 20) -> dict[str, Any]:
+    versions = registry.versions()
+    keep = {v.version for v in versions[-limit:]} | {v.version for v in versions if v.status in ("stable", "canary")}
+    decision = evaluate(registry, sessions, policy)
+    return {
+        "model_line": registry.model_line,
+        "versions": [{"version": v.version, "status": v.status, "kind": v.kind, "created_at": v.created_at.isoformat()}
+                     for v in versions if v.version in keep],
+        "next_decision": asdict(decision),
+    }
+
+
+def main(args: argparse.Namespace, settings: Settings) -> int:
+    """``flywheel rollout promote V | rollback V | status``."""
+    import sys
+
+    db, sessions, registry = _open(settings)
+    try:
+        if args.action == "status":
+            report = status_report(registry, sessions, settings.rollout)
+            if args.json:
+                print(json.dumps(report, indent=2, default=str))
+                return 0
+            print(f"model line {report['model_line']}")
+            for v in report["versions"]:
+                print(f"  v{v['version']:<6} {v['status']:<12} {v['kind']:<6} {v['created_at']}")
+            d = report["next_decision"]
+            target = f" v{d['version']}" if d["version"] is not None else ""
+            print(f"next decision: {d['action']}{target}: {d['reason']}")
+            return 0
+        if args.version is None:
+            print(f"flywheel rollout {args.action}: name the version (flywheel rollout {args.action} V)",
+                  file=sys.stderr)
+            return 2
+        act = manual_promote if args.action == "promote" else manual_rollback
+        try:
+            changed = act(registry, args.version, args.reason or "")
+        except RolloutError as exc:
+            print(f"flywheel rollout {args.action}: {exc}", file=sys.stderr)
+            return 1
+        _announce(settings, [registry.get(v) for v in changed])
+        for v in changed:
+            print(f"v{v}: {registry.get(v).status}")
+        return 0
+    finally:
+        db.dispose()
+
+
+def _announce(settings: Settings, infos: Sequence[Any]) -> None:
+    from flywheel.bus import make_bus
+
+    bus = make_bus(settings)
+    try:
+        topic = settings.topic(VersionEvent.topic)
+        bus.ensure_topics([topic])
+        producer = bus.producer()
+        try:
+            for info in infos:
+                producer.send(topic, info.model_line, version_event(info).to_bytes())
+            producer.flush()
+        finally:
+            producer.close()
+    finally:
+        bus.close()

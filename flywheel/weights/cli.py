@@ -1,8 +1,9 @@
 """``flywheel weights ...``: the delta codec on safetensors files, from the command line.
 
 ``weights diff OLD NEW -o DELTA``, ``weights apply OLD DELTA -o OUT``, ``weights stats OLD NEW
-[--json]``. Each sets ``args.weights_func(args) -> exit code``; torch is imported only when a
-command runs, so building the parser stays cheap.
+[--json]`` on files; on the configured registry (``model.line``), ``weights squash FROM TO -o DELTA``
+and ``weights gc [--keep-rollback N] [--dry-run]``. Each sets ``args.weights_func(args, settings)
+-> exit code``; torch is imported only when a command runs, so building the parser stays cheap.
 """
 
 from __future__ import annotations
@@ -37,6 +38,18 @@ def add_weights_commands(subparsers: Any) -> None:
     stats.add_argument("--json", action="store_true", help="print JSON instead of a table")
     stats.set_defaults(weights_func=_stats)
 
+    squash = sub.add_parser("squash", help="one delta between two registry versions (model.line)")
+    squash.add_argument("old", type=int, help="the version the delta applies to")
+    squash.add_argument("new", type=int, help="the version it rebuilds")
+    squash.add_argument("-o", "--output", type=Path, required=True, help="delta file to write")
+    squash.set_defaults(weights_func=_squash)
+
+    gc = sub.add_parser("gc", help="delete the weights no node, canary, candidate or rollback needs")
+    gc.add_argument("--keep-rollback", type=int, default=2, help="formerly stable versions kept (default 2)")
+    gc.add_argument("--node-ttl", type=float, default=600.0, help="a node silent this long keeps nothing (s)")
+    gc.add_argument("--dry-run", action="store_true", help="only list what would go")
+    gc.set_defaults(weights_func=_gc)
+
 
 def _read_state(path: Path) -> dict[str, Any]:
     from flywheel.weights.codec import decode_full
@@ -55,7 +68,7 @@ def _fail(message: str) -> int:
     return 1
 
 
-def _diff(args: argparse.Namespace) -> int:
+def _diff(args: argparse.Namespace, _settings: Any = None) -> int:
     from flywheel.weights.codec import DeltaError, encode_delta
 
     try:
@@ -72,7 +85,7 @@ def _diff(args: argparse.Namespace) -> int:
     return 0
 
 
-def _apply(args: argparse.Namespace) -> int:
+def _apply(args: argparse.Namespace, _settings: Any = None) -> int:
     from flywheel.weights.codec import DeltaError, apply_delta, encode_full, state_sha256
 
     try:
@@ -85,7 +98,7 @@ def _apply(args: argparse.Namespace) -> int:
     return 0
 
 
-def _stats(args: argparse.Namespace) -> int:
+def _stats(args: argparse.Namespace, _settings: Any = None) -> int:
     from flywheel.weights.codec import DeltaError, delta_stats
 
     try:
@@ -96,6 +109,35 @@ def _stats(args: argparse.Namespace) -> int:
         print(json.dumps(stats, indent=2))
         return 0
     print(format_stats(stats))
+    return 0
+
+
+def _registry(settings: Any) -> Any:
+    from flywheel.db.session import make_session_factory, open_database
+    from flywheel.weights.registry import Registry
+    from flywheel.weights.store import make_store
+
+    engine = open_database(settings.database_url, settings.db.wait_s)
+    return Registry(make_session_factory(engine), make_store(settings), settings.model.line)
+
+
+def _squash(args: argparse.Namespace, settings: Any) -> int:
+    from flywheel.weights.registry import WeightsError
+
+    try:
+        delta = _registry(settings).squash(args.old, args.new)
+    except WeightsError as exc:
+        return _fail(str(exc))
+    _write_atomic(args.output, delta)
+    print(f"wrote {args.output}: {len(delta):,} bytes, v{args.old} -> v{args.new} (verified)")
+    return 0
+
+
+def _gc(args: argparse.Namespace, settings: Any) -> int:
+    registry = _registry(settings)
+    gone = registry.collect(keep_rollback=args.keep_rollback, node_ttl_s=args.node_ttl, dry_run=args.dry_run)
+    verb = "would collect" if args.dry_run else "collected"
+    print(f"{verb} {len(gone)} version(s) of {registry.model_line}: {', '.join(f'v{v}' for v in gone) or '-'}")
     return 0
 
 

@@ -13,9 +13,17 @@ Invariants:
 - A delta is stored only on top of a parent whose recorded hash matches the base it was encoded
   against, only when it is smaller than the full checkpoint, and never on anchor versions
   (``version % full_every == 0``), so a load never walks more than ``full_every - 1`` deltas.
-  A delta is also refused when it is not much smaller than the full checkpoint (``DELTA_MAX_RATIO``).
+  A delta is also refused when it is not much smaller than the full checkpoint (``DELTA_MAX_RATIO``),
+  and when the deltas since the last full anchor would add up to more than ``chain_max_ratio`` of a
+  full checkpoint (a new anchor is cheaper to load than that chain).
 - :meth:`Registry.load` returns weights whose hash equals the row's, or raises :class:`WeightsError`.
 - At most one version of a line is ``stable``: promoting one retires the previous (audited).
+- :meth:`Registry.collect` (garbage collection) deletes only objects that no kept version needs:
+  kept are the stable and canary versions, candidates newer than stable, the version every node
+  heartbeating within ``node_ttl_s`` reports live, the last ``keep_rollback`` formerly stable
+  versions, and every ancestor their chains need. Collected versions keep their row (status
+  ``collected``, audited) so version numbers and the audit log stay whole.
+- :meth:`Registry.squash` encodes one delta between any two versions, verified like a publish.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ from __future__ import annotations
 import secrets
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -30,7 +39,7 @@ from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
-from flywheel.db.models import ModelVersion, VersionTransition
+from flywheel.db.models import ModelVersion, Node, VersionTransition
 from flywheel.weights.codec import (
     DeltaError,
     apply_delta,
@@ -45,11 +54,13 @@ from flywheel.weights.store import Store, StoreError, validate_key
 
 State = dict[str, torch.Tensor]
 
-STATUSES = ("candidate", "canary", "stable", "rolled_back", "retired")
+STATUSES = ("candidate", "canary", "stable", "rolled_back", "retired", "collected")
 _PUBLISH_ATTEMPTS = 20
 #: A delta is kept only when it is below this fraction of the full checkpoint; otherwise the version
 #: is stored in full (a delta that saves little is not worth a dependency on its parent chain).
 DELTA_MAX_RATIO = 0.5
+#: The deltas between a full anchor and a new version may add up to this fraction of a full checkpoint.
+CHAIN_MAX_RATIO = 1.0
 
 
 class WeightsError(Exception):
@@ -104,11 +115,17 @@ class Registry:
     """Versions of ``model_line``, rows through ``session_factory``, bytes in ``store``."""
 
     def __init__(
-        self, session_factory: sessionmaker[Session], store: Store, model_line: str, full_every: int = 50
+        self, session_factory: sessionmaker[Session], store: Store, model_line: str, full_every: int = 50,
+        chain_max_ratio: float = CHAIN_MAX_RATIO, announce: Callable[[VersionInfo], None] | None = None,
     ) -> None:
+        """``announce`` is called after every committed status change (e.g. to wake the nodes)."""
         validate_key(model_line)
         if full_every < 1:
             raise ValueError("full_every must be at least 1")
+        if chain_max_ratio <= 0:
+            raise ValueError("chain_max_ratio must be positive")
+        self.chain_max_ratio = chain_max_ratio
+        self.announce = announce
         self._sessions = session_factory
         self.store = store
         self.model_line = model_line
@@ -175,6 +192,7 @@ class Registry:
         stable version in the same transaction. Setting the current status again is a no-op."""
         _check_status(status)
         now = datetime.now(UTC)
+        changed = False
         with self._sessions() as session, session.begin():
             # Lock the whole line (PostgreSQL) so two promotions cannot both leave a stable version.
             rows = session.scalars(
@@ -188,6 +206,7 @@ class Registry:
                 raise VersionNotFound(f"model line {self.model_line!r} has no version {version}")
             if target.status == status:
                 return _info(target)
+            changed = True
             if status == "stable":
                 for row in rows:
                     if row.status == "stable" and row.version != version:
@@ -197,7 +216,10 @@ class Registry:
             session.add(self._transition(version, target.status, status, reason, now))
             target.status = status
             session.flush()
-            return _info(target)
+            info = _info(target)
+        if changed and self.announce is not None:
+            self.announce(info)
+        return info
 
     def _transition(self, version: int, old: str | None, new: str, reason: str, at: datetime) -> VersionTransition:
         return VersionTransition(
@@ -247,6 +269,9 @@ class Registry:
                 changed, elements = count_changed(parent_state, state)
                 fraction = changed / elements if elements else 0.0
             small = delta_blob is not None and len(delta_blob) < DELTA_MAX_RATIO * len(full_blob)
+            if small and parent is not None:
+                assert delta_blob is not None
+                small = self._chain_bytes(parent) + len(delta_blob) <= self.chain_max_ratio * len(full_blob)
             kind = "delta" if not anchor and small else "full"
             data = delta_blob if kind == "delta" else full_blob
             assert data is not None
@@ -276,6 +301,16 @@ class Registry:
         raise WeightsError(
             f"could not allocate a version number for {self.model_line!r} after {_PUBLISH_ATTEMPTS} attempts"
         )
+
+    def _chain_bytes(self, version: int) -> int:
+        """Bytes of the deltas from ``version`` back to its full anchor (0 when it is full)."""
+        total = 0
+        with self._sessions() as session:
+            row = self._row(session, version)
+            while row.kind == "delta" and row.parent is not None:
+                total += row.bytes
+                row = self._row(session, row.parent)
+        return total
 
     def _next_version(self) -> int:
         with self._sessions() as session:
@@ -355,10 +390,73 @@ class Registry:
         return state
 
     def _fetch(self, info: VersionInfo) -> bytes:
+        if info.status == "collected":
+            raise WeightsError(f"version {info.version} was garbage-collected; its weights are gone")
         try:
             return self.store.get(info.store_key)
         except StoreError as exc:
             raise WeightsError(f"version {info.version}: object {info.store_key!r} unavailable: {exc}") from exc
+
+    # --- squash and garbage collection ----------------------------------------------------------
+
+    def squash(self, old: int, new: int) -> bytes:
+        """One delta that turns version ``old`` into version ``new`` (any two versions of the line,
+        either order), checked by applying it before it is returned."""
+        old_info, new_info = self.get(old), self.get(new)
+        old_state = self.load(old)
+        new_state = self.load(new, base=(old, old_state)) if new > old else self.load(new)
+        delta, _ = encode_delta_with_summary(old_state, new_state, old_sha256=old_info.sha256,
+                                             new_sha256=new_info.sha256)
+        try:
+            apply_delta(old_state, delta, old_sha256=old_info.sha256)
+        except DeltaError as exc:  # pragma: no cover - the codec's own invariant
+            raise WeightsError(f"squashed delta v{old} -> v{new} does not rebuild v{new}: {exc}") from exc
+        return delta
+
+    def needed(self, *, keep_rollback: int = 2, node_ttl_s: float = 600.0) -> set[int]:
+        """The versions :meth:`collect` keeps (see the module invariants)."""
+        now = datetime.now(UTC)
+        with self._sessions() as session:
+            rows = {r.version: r for r in session.scalars(
+                select(ModelVersion).where(ModelVersion.model_line == self.model_line))}
+            live = {v for v, beat in session.execute(
+                select(Node.live_version, Node.last_heartbeat).where(Node.model_line == self.model_line)).all()
+                if v is not None and (now - _utc(beat)).total_seconds() <= node_ttl_s}
+            was_stable = session.scalars(
+                select(VersionTransition.version)
+                .where(VersionTransition.model_line == self.model_line, VersionTransition.to_status == "stable")
+                .order_by(VersionTransition.id.desc())).all()
+        stable = [v for v, r in rows.items() if r.status == "stable"]
+        newest_stable = max(stable, default=-1)
+        roots = set(stable) | live
+        roots |= {v for v, r in rows.items() if r.status == "canary" or (r.status == "candidate" and v > newest_stable)}
+        previous = [v for v in dict.fromkeys(was_stable) if v not in stable and rows.get(v) is not None
+                    and rows[v].status != "rolled_back"]
+        roots |= set(previous[:keep_rollback])
+        keep: set[int] = set()
+        for version in roots:
+            while version is not None and version in rows and version not in keep:
+                keep.add(version)
+                row = rows[version]
+                version = row.parent if row.kind == "delta" else None
+        return keep
+
+    def collect(self, *, keep_rollback: int = 2, node_ttl_s: float = 600.0, dry_run: bool = False) -> list[int]:
+        """Delete the objects of versions nothing needs (:meth:`needed`); returns those versions."""
+        keep = self.needed(keep_rollback=keep_rollback, node_ttl_s=node_ttl_s)
+        doomed = [i for i in self.versions() if i.version not in keep and i.status != "collected"]
+        if dry_run:
+            return [i.version for i in doomed]
+        now = datetime.now(UTC)
+        for info in doomed:
+            with self._sessions() as session, session.begin():
+                row = session.get(ModelVersion, (self.model_line, info.version), with_for_update=True)
+                if row is None or row.status != info.status:
+                    continue  # promoted (or collected) meanwhile: leave it
+                session.add(self._transition(info.version, row.status, "collected", "garbage collection", now))
+                row.status = "collected"
+            self.store.delete(info.store_key)  # after the row says so: a load never finds half a version
+        return [i.version for i in doomed]
 
 
 def _check_status(status: str) -> None:

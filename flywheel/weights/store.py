@@ -1,21 +1,27 @@
-"""Object store for weight blobs: a small interface, a local-folder implementation, a factory.
+"""Object store for weight blobs: a small interface, a local folder and any S3-compatible bucket.
 
 Invariants:
 - Keys are relative, ``/``-separated, made of ``[A-Za-z0-9._-]`` segments that do not start with a
   dot (so no ``.``/``..`` segments and no hidden temp names); anything else raises
   :class:`InvalidKey` before the filesystem is touched.
 - A folder key always resolves (symlinks followed) to a path strictly under the store root.
+- An S3 key is ``prefix + key`` with ``key`` validated as above, so no key reaches outside the
+  store's prefix (S3 does not resolve ``..``, but some S3-compatible servers and proxies do).
 - ``put`` is atomic: a reader sees either the old object, the new one, or none, never a partial
-  one (write a temp file in the same directory, fsync, ``os.replace``, fsync the directory).
+  one (folder: write a temp file in the same directory, fsync, ``os.replace``, fsync the directory;
+  S3: a single PUT is atomic, and its ``Content-MD5`` makes the server refuse a body damaged on the
+  way). ``get`` checks the length it received against the object's.
 """
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import os
 import re
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     from flywheel.settings import Settings
@@ -137,13 +143,168 @@ class FolderStore:
         return sorted(keys)
 
 
+def validate_prefix(prefix: str) -> str:
+    """Return ``prefix`` if it is empty or a valid key followed by ``/``, else raise :class:`InvalidKey`."""
+    if prefix:
+        if not prefix.endswith("/"):
+            raise InvalidKey(f"invalid store prefix {prefix!r}: empty, or a valid key ending in '/'")
+        validate_key(prefix[:-1])
+    return prefix
+
+
+def _listing_prefix(prefix: str) -> str:
+    """A ``list`` prefix: whole valid segments, the last one possibly partial (or empty)."""
+    head, _, last = prefix.rpartition("/")
+    if head:
+        validate_key(head)
+    if last and not _SEGMENT.fullmatch(last):
+        raise InvalidKey(f"invalid listing prefix {prefix!r}")
+    return prefix
+
+
+class S3Store:
+    """Objects in an S3-compatible bucket (AWS S3, MinIO, Ceph, R2, ...) under ``prefix``, via boto3.
+
+    Credentials come from boto3's usual chain (environment, shared files, instance roles), never
+    from flywheel's settings. ``client`` is for tests and custom sessions."""
+
+    def __init__(self, bucket: str, prefix: str = "", *, endpoint_url: str | None = None, region: str | None = None,
+                 client: object | None = None) -> None:
+        if not bucket:
+            raise StoreError("store.bucket is required for the S3 store")
+        self.bucket = bucket
+        self.prefix = validate_prefix(prefix)
+        if client is None:
+            import boto3
+            from botocore.config import Config
+
+            client = boto3.client("s3", endpoint_url=endpoint_url or None, region_name=region or None,
+                                  config=Config(retries={"max_attempts": 5, "mode": "standard"},
+                                                connect_timeout=10, read_timeout=60))
+        self._client: Any = client
+
+    def __repr__(self) -> str:
+        return f"S3Store(s3://{self.bucket}/{self.prefix})"
+
+    def _key(self, key: str) -> str:
+        return self.prefix + validate_key(key)
+
+    def _call(self, what: str, key: str, fn: Any, **kwargs: Any) -> Any:
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        try:
+            return fn(Bucket=self.bucket, **kwargs)
+        except ClientError as exc:
+            code = str(exc.response.get("Error", {}).get("Code", ""))
+            if code in ("NoSuchKey", "404", "NotFound"):
+                raise ObjectNotFound(f"no object {key!r} in {self}") from None
+            raise StoreError(f"{what} {key!r} in {self}: {code or exc}") from exc
+        except BotoCoreError as exc:
+            raise StoreError(f"{what} {key!r} in {self}: {exc}") from exc
+
+    def put(self, key: str, data: bytes) -> None:
+        md5 = base64.b64encode(hashlib.md5(data, usedforsecurity=False).digest()).decode()
+        self._call("put", key, self._client.put_object, Key=self._key(key), Body=data, ContentMD5=md5)
+
+    def get(self, key: str) -> bytes:
+        response = self._call("get", key, self._client.get_object, Key=self._key(key))
+        data = response["Body"].read()
+        if len(data) != response.get("ContentLength", len(data)):
+            raise StoreError(f"get {key!r} in {self}: {len(data)} of {response['ContentLength']} bytes received")
+        return data
+
+    def exists(self, key: str) -> bool:
+        try:
+            self._call("head", key, self._client.head_object, Key=self._key(key))
+        except ObjectNotFound:
+            return False
+        return True
+
+    def delete(self, key: str) -> None:
+        """Remove the object; deleting a missing object is not an error."""
+        self._call("delete", key, self._client.delete_object, Key=self._key(key))
+
+    def list(self, prefix: str = "") -> list[str]:
+        """Sorted keys that start with ``prefix`` (a plain string prefix)."""
+        full = self.prefix + _listing_prefix(prefix)
+        keys = []
+        pages = self._client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=full)
+        try:
+            for page in pages:
+                keys.extend(item["Key"][len(self.prefix):] for item in page.get("Contents", ()))
+        except Exception as exc:  # botocore errors surface while iterating
+            raise StoreError(f"list {prefix!r} in {self}: {exc}") from exc
+        return sorted(k for k in keys if _valid(k))
+
+
+def _valid(key: str) -> bool:
+    try:
+        validate_key(key)
+    except InvalidKey:
+        return False
+    return True
+
+
+class RegionalCache:
+    """Reads through a region's cache: the first reader in a region pulls an object from the origin
+    and writes it into the cache folder the region's nodes share; every later read there is local.
+
+    Weight objects never change once published (every key carries a random token), so a cached
+    object is never stale and each object crosses into a region once: readers take a per-key file
+    lock in the cache (``.locks/``) and look again before pulling, so concurrent nodes of one region
+    wait for one pull instead of each pulling. Writes and deletes go to the origin (deletes also
+    drop the cached copy). Whatever comes out is still checked by the registry against its sha256.
+    ``pulled_bytes`` counts what this process pulled from the origin."""
+
+    def __init__(self, origin: Store, cache: FolderStore) -> None:
+        self.origin = origin
+        self.cache = cache
+        self.pulled_bytes = 0
+
+    def __repr__(self) -> str:
+        return f"RegionalCache({self.origin!r} via {self.cache!r})"
+
+    def get(self, key: str) -> bytes:
+        try:
+            return self.cache.get(key)
+        except ObjectNotFound:
+            pass
+        import fcntl
+
+        locks = Path(os.path.realpath(self.cache.root)) / ".locks"
+        locks.mkdir(parents=True, exist_ok=True)
+        with open(locks / hashlib.sha256(validate_key(key).encode()).hexdigest(), "a+b") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                return self.cache.get(key)  # another node of the region pulled it meanwhile
+            except ObjectNotFound:
+                data = self.origin.get(key)
+                self.cache.put(key, data)
+                self.pulled_bytes += len(data)
+                return data
+
+    def put(self, key: str, data: bytes) -> None:
+        self.origin.put(key, data)
+
+    def exists(self, key: str) -> bool:
+        return self.cache.exists(key) or self.origin.exists(key)
+
+    def delete(self, key: str) -> None:
+        self.origin.delete(key)
+        self.cache.delete(key)
+
+    def list(self, prefix: str = "") -> list[str]:
+        return self.origin.list(prefix)
+
+
 def make_store(settings: Settings) -> Store:
-    """The store that ``settings.store`` names."""
-    kind = settings.store.kind
-    if kind == "folder":
-        return FolderStore(settings.store_path)
-    if kind == "s3":
-        raise NotImplementedError(
-            "the S3 store is not available yet (boto3 is not installed); use store.kind = 'folder'"
-        )
-    raise ValueError(f"unknown store kind {kind!r}")
+    """The store that ``settings.store`` names, read through ``store.cache_path`` when set."""
+    cfg = settings.store
+    origin: Store
+    if cfg.kind == "folder":
+        origin = FolderStore(settings.store_path)
+    elif cfg.kind == "s3":
+        origin = S3Store(cfg.bucket, cfg.prefix, endpoint_url=cfg.endpoint_url, region=cfg.region)
+    else:
+        raise ValueError(f"unknown store kind {cfg.kind!r}")
+    return RegionalCache(origin, FolderStore(cfg.cache_path)) if cfg.cache_path else origin

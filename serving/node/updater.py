@@ -71,6 +71,8 @@ class Updater:
         self._last_db_heartbeat = 0.0
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
+        self._kick = threading.Event()  # set by a version notification (or stop): poll now
+        self._unlisten: Any = None
 
     # One step ----------------------------------------------------------------------------------
 
@@ -132,11 +134,17 @@ class Updater:
         if self._thread is not None:
             return
         self._stop.clear()
+        if self.live is not None:
+            self._unlisten = self.live.listen(version_channel(self.settings.model.line), self._kick)
         self._thread = threading.Thread(target=self._loop, name="weight-updater", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
         self._stop.set()
+        self._kick.set()
+        if self._unlisten is not None:
+            self._unlisten()
+            self._unlisten = None
         if self._thread is not None:
             self._thread.join(timeout=30.0)
             self._thread = None
@@ -147,7 +155,8 @@ class Updater:
                 self.check_once()
             except Exception:  # the registry or database is unreachable: retried on the next poll
                 log.exception("updater poll failed; retrying in %.1fs", self.settings.node.poll_s)
-            self._stop.wait(self.settings.node.poll_s)
+            self._kick.wait(self.settings.node.poll_s)
+            self._kick.clear()
 
     # Reporting ---------------------------------------------------------------------------------
 
@@ -190,6 +199,13 @@ class Updater:
                 )
             )
             session.commit()
+
+
+def version_channel(model_line: str) -> str:
+    """The live-state channel a version change of ``model_line`` is announced on (see
+    ``flywheel.live``): nodes listening there look at the registry at once instead of at their
+    next poll."""
+    return f"versions:{model_line}"
 
 
 def node_url(settings: Settings) -> str:

@@ -14,7 +14,7 @@ from flywheel.db.session import make_engine, make_session_factory
 from flywheel.settings import load_settings
 from flywheel.weights.codec import state_sha256
 from flywheel.weights.registry import Registry, VersionNotFound, WeightsError
-from flywheel.weights.store import FolderStore, InvalidKey, ObjectNotFound, make_store
+from flywheel.weights.store import FolderStore, InvalidKey, ObjectNotFound, S3Store, make_store
 
 pytestmark = pytest.mark.integration
 
@@ -316,5 +316,5 @@ def test_make_store_follows_settings(tmp_path: Path) -> None:
     settings = load_settings(data_dir=str(tmp_path))
     store = make_store(settings)
     assert isinstance(store, FolderStore) and store.root == tmp_path / "weights"
-    with pytest.raises(NotImplementedError):
-        make_store(load_settings(data_dir=str(tmp_path), store={"kind": "s3", "bucket": "b"}))
+    s3 = make_store(load_settings(data_dir=str(tmp_path), store={"kind": "s3", "bucket": "b", "prefix": "p/"}))
+    assert isinstance(s3, S3Store) and (s3.bucket, s3.prefix) == ("b", "p/")  # no request until used

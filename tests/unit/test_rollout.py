@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from serving.rollout import decide
+from serving.rollout_policy import decide
 
 pytestmark = pytest.mark.unit
 

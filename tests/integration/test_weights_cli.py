@@ -1,0 +1,67 @@
+"""``flywheel weights``: diff / apply / stats on safetensors files, squash / gc on the registry."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from flywheel.cli import main
+from flywheel.db.session import make_engine, make_session_factory, upgrade
+from flywheel.weights.codec import decode_full, encode_full, state_sha256
+from flywheel.weights.registry import Registry
+from flywheel.weights.store import FolderStore
+from tests.integration.test_registry import assert_bit_exact, make_state, train_step
+
+pytestmark = pytest.mark.integration
+
+
+def test_diff_apply_and_stats_on_files(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rng = random.Random(1)
+    old = make_state(rng)
+    new = train_step(rng, old)
+    (tmp_path / "old.safetensors").write_bytes(encode_full(old))
+    (tmp_path / "new.safetensors").write_bytes(encode_full(new))
+    assert main(["weights", "diff", str(tmp_path / "old.safetensors"), str(tmp_path / "new.safetensors"),
+                 "-o", str(tmp_path / "d.delta")]) == 0
+    assert main(["weights", "apply", str(tmp_path / "old.safetensors"), str(tmp_path / "d.delta"),
+                 "-o", str(tmp_path / "out.safetensors")]) == 0
+    assert_bit_exact(decode_full((tmp_path / "out.safetensors").read_bytes()), new)
+    capsys.readouterr()
+    assert main(["weights", "stats", str(tmp_path / "old.safetensors"), str(tmp_path / "new.safetensors"), "--json"]) == 0
+    stats = json.loads(capsys.readouterr().out)
+    assert 0.01 < stats["fraction_changed"] < 0.05 and stats["bytes_delta"] < stats["bytes_full"]
+    # A delta applied to the wrong base is refused, nothing written.
+    assert main(["weights", "apply", str(tmp_path / "new.safetensors"), str(tmp_path / "d.delta"),
+                 "-o", str(tmp_path / "wrong.safetensors")]) == 1
+    assert not (tmp_path / "wrong.safetensors").exists()
+
+
+def test_squash_and_gc_on_the_configured_registry(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    db_url = f"sqlite:///{tmp_path / 'fw.db'}"
+    upgrade(db_url)
+    config = tmp_path / "fw.json"
+    config.write_text(json.dumps({"db": {"url": db_url}, "store": {"path": str(tmp_path / "weights")},
+                                  "model": {"line": "cli-line"}}))
+    engine = make_engine(db_url)
+    registry = Registry(make_session_factory(engine), FolderStore(tmp_path / "weights"), "cli-line")
+    rng = random.Random(2)
+    states = [make_state(rng)]
+    registry.publish(states[0], parent=None)
+    for v in range(1, 4):
+        states.append(train_step(rng, states[-1]))
+        registry.publish(states[v], parent=v - 1, parent_state=states[v - 1])
+    registry.set_status(3, "stable", "test")
+    engine.dispose()
+
+    assert main(["--config", str(config), "weights", "squash", "0", "3", "-o", str(tmp_path / "s.delta")]) == 0
+    (tmp_path / "v0.safetensors").write_bytes(encode_full(states[0]))
+    assert main(["weights", "apply", str(tmp_path / "v0.safetensors"), str(tmp_path / "s.delta"),
+                 "-o", str(tmp_path / "v3.safetensors")]) == 0
+    assert state_sha256(decode_full((tmp_path / "v3.safetensors").read_bytes())) == state_sha256(states[3])
+    capsys.readouterr()
+    # Every version is on stable v3's chain: nothing to collect.
+    assert main(["--config", str(config), "weights", "gc", "--dry-run"]) == 0
+    assert "would collect 0 version(s)" in capsys.readouterr().out
