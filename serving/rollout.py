@@ -45,12 +45,11 @@ registry's audited reason and is announced as a :class:`~flywheel.events.Version
 ``versions`` topic. :func:`main` is ``flywheel rollout promote|rollback|status``.
 
 Invariants: the statistics and the decisions are pure functions of plain numbers
-(``serving.rollout_policy``); the IO around
-them is reads of the registry and the database and :meth:`Registry.set_status`; the registry is
-the only state; at most one status change per tick (a manual rollback of stable makes two: the
+(``serving.rollout_policy``); the IO around them is reads of the registry and the database and
+:meth:`Registry.set_status`; the registry is the only state; at most one status change per tick (a manual rollback of stable makes two: the
 restored version first, so a stable version always exists); a decision is applied only while the
-version still has the status it was decided on (re-read just before: ``Registry.set_status`` has
-no compare-and-set, so a manual change in that last instant can still race it).
+version still has the status it was decided on (``Registry.set_status(..., expect=)``, a
+compare-and-set under the line's lock).
 """
 
 from __future__ import annotations
@@ -65,6 +64,7 @@ from typing import Any, Callable, Sequence
 
 from flywheel.events import VersionEvent
 from flywheel.settings import RolloutSettings, Settings
+from flywheel.weights.registry import StatusChanged
 from serving.rollout_policy import (
     LATENCY_SAMPLE_CAP, NEGATIVE_SIGNALS, GateResult, HeldOutRow, VersionSample, choose_candidate, held_out_gate,
     judge_canary, parity_gate, previous_stable,
@@ -187,12 +187,12 @@ def step(registry: Any, sessions: Any, policy: RolloutSettings,
     decision = evaluate(registry, sessions, policy, now)
     if decision.changed:
         assert decision.version is not None
-        current = registry.get(decision.version).status
-        if current != decision.was:  # an operator moved it meanwhile: decide again next tick
-            log.warning("rollout: v%d is %s now, not %s: skipping %s", decision.version, current, decision.was,
-                        decision.action)
-            return Decision("none", decision.version, f"v{decision.version} changed to {current} meanwhile")
-        registry.set_status(decision.version, _STATUS_OF[decision.action], reason=f"rollout: {decision.reason}")
+        try:
+            registry.set_status(decision.version, _STATUS_OF[decision.action], reason=f"rollout: {decision.reason}",
+                                expect=decision.was)
+        except StatusChanged as exc:  # an operator moved it meanwhile: decide again next tick
+            log.warning("rollout: skipping %s of v%d: %s", decision.action, decision.version, exc)
+            return Decision("none", decision.version, str(exc))
         log.info("rollout: v%d -> %s: %s", decision.version, _STATUS_OF[decision.action], decision.reason)
         if notify is not None:
             notify(version_event(registry.get(decision.version)))
@@ -211,7 +211,7 @@ def tick(registry: Any, notify: Callable[[VersionEvent], None] | None = None, ro
     stable). ``sessions`` None: the registry's own session factory (same database).
     """
     policy = rollout if rollout is not None else RolloutSettings(canary_fraction=0.0)
-    decision = step(registry, sessions if sessions is not None else registry._sessions, policy, notify, now)
+    decision = step(registry, sessions if sessions is not None else registry.sessions, policy, notify, now)
     return decision.version if decision.changed else None
 
 

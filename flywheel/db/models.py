@@ -84,7 +84,11 @@ class Generation(Base):
     ts: Mapped[datetime]
     payload: Mapped[dict] = mapped_column(JSON)
 
-    __table_args__ = (Index("ix_generations_session", "tenant", "session_id"),)
+    __table_args__ = (
+        Index("ix_generations_session", "tenant", "session_id"),
+        # The rollout controller compares versions over a window: generations per version since a time.
+        Index("ix_generations_version", "model_line", "model_version", "ts"),
+    )
 
 
 class Feedback(Base):

@@ -67,6 +67,10 @@ class WeightsError(Exception):
     """Weights could not be published or reconstructed exactly (missing, corrupt, mismatched)."""
 
 
+class StatusChanged(WeightsError):
+    """A compare-and-set status change found another status (someone moved the version meanwhile)."""
+
+
 class VersionNotFound(WeightsError, LookupError):
     """No such version in this model line."""
 
@@ -133,6 +137,11 @@ class Registry:
 
     # --- reading -------------------------------------------------------------------------------
 
+    @property
+    def sessions(self) -> sessionmaker[Session]:
+        """The session factory of the registry's database (the rollout controller reads it too)."""
+        return self._sessions
+
     def _row(self, session: Session, version: int) -> ModelVersion:
         row = session.get(ModelVersion, (self.model_line, version))
         if row is None:
@@ -187,9 +196,11 @@ class Registry:
 
     # --- status --------------------------------------------------------------------------------
 
-    def set_status(self, version: int, status: str, reason: str) -> VersionInfo:
+    def set_status(self, version: int, status: str, reason: str, *, expect: str | None = None) -> VersionInfo:
         """Move ``version`` to ``status`` (audited). Promoting to ``stable`` retires the previous
-        stable version in the same transaction. Setting the current status again is a no-op."""
+        stable version in the same transaction. Setting the current status again is a no-op.
+        ``expect``: only from that status (compare-and-set, under the line's lock); otherwise
+        :class:`StatusChanged` and nothing changes."""
         _check_status(status)
         now = datetime.now(UTC)
         changed = False
@@ -204,6 +215,8 @@ class Registry:
             target = next((r for r in rows if r.version == version), None)
             if target is None:
                 raise VersionNotFound(f"model line {self.model_line!r} has no version {version}")
+            if expect is not None and target.status != expect:
+                raise StatusChanged(f"version {version} is {target.status}, not {expect}")
             if target.status == status:
                 return _info(target)
             changed = True

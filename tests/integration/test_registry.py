@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from flywheel.db.session import make_engine, make_session_factory
 from flywheel.settings import load_settings
 from flywheel.weights.codec import state_sha256
 from flywheel.weights.registry import Registry, VersionNotFound, WeightsError
@@ -24,13 +23,6 @@ def rng() -> random.Random:
     seed = random.SystemRandom().getrandbits(32)
     print(f"registry test seed: {seed}")
     return random.Random(seed)
-
-
-@pytest.fixture
-def sessions(migrated_db_url: str):
-    engine = make_engine(migrated_db_url)
-    yield make_session_factory(engine)
-    engine.dispose()
 
 
 @pytest.fixture

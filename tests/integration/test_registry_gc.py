@@ -11,20 +11,12 @@ from pathlib import Path
 import pytest
 
 from flywheel.db.models import Node
-from flywheel.db.session import make_engine, make_session_factory
 from flywheel.weights.codec import apply_delta, state_sha256
 from flywheel.weights.registry import Registry, WeightsError
 from flywheel.weights.store import FolderStore
 from tests.integration.test_registry import assert_bit_exact, make_state, train_step
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture
-def sessions(migrated_db_url: str):
-    engine = make_engine(migrated_db_url)
-    yield make_session_factory(engine)
-    engine.dispose()
 
 
 def test_a_heavy_delta_chain_gets_a_full_anchor(sessions, tmp_path: Path) -> None:
@@ -101,3 +93,16 @@ def test_garbage_collection_keeps_what_nodes_canaries_candidates_and_rollbacks_n
     for v in (0, 1, 2, 4, 5, 7, 8):
         assert_bit_exact(registry.load(v), states[v])
     assert registry.collect(keep_rollback=0) == []  # nothing left to collect
+
+
+def test_a_status_change_can_be_conditional_on_the_current_status(sessions, tmp_path: Path) -> None:
+    from flywheel.weights.registry import StatusChanged
+
+    registry = Registry(sessions, FolderStore(tmp_path / "store"), "line-cas")
+    state = make_state(random.Random(6))
+    registry.publish(state, parent=None)
+    registry.set_status(0, "canary", "test", expect="candidate")
+    with pytest.raises(StatusChanged):
+        registry.set_status(0, "stable", "test", expect="candidate")  # it is a canary now
+    assert registry.get(0).status == "canary" and [t["to_status"] for t in registry.transitions(0)] == [
+        "candidate", "canary"]

@@ -17,7 +17,6 @@ import pytest
 
 from flywheel.cli import build_parser, dispatch
 from flywheel.db.models import Feedback, Generation, RewardSpecRow, RewardVersionStats
-from flywheel.db.session import make_engine, make_session_factory
 from flywheel.events import VersionEvent
 from flywheel.settings import RolloutSettings, load_settings
 from flywheel.weights.registry import Registry
@@ -30,13 +29,6 @@ pytestmark = pytest.mark.integration
 LINE = "roll-line"
 POLICY = RolloutSettings(canary_fraction=0.5, window_s=0, min_samples=100, alpha=0.05, held_out_min_samples=50,
                          held_out_tolerance=0.02, parity_max=0.05)
-
-
-@pytest.fixture
-def sessions(migrated_db_url: str):
-    engine = make_engine(migrated_db_url)
-    yield make_session_factory(engine)
-    engine.dispose()
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ from collections import Counter
 import pytest
 import torch
 
-from flywheel.db.session import make_engine, make_session_factory
+from flywheel.db.session import make_session_factory
 from flywheel.live import MemoryLive
 from flywheel.settings import load_settings
 from flywheel.weights.registry import Registry
@@ -30,13 +30,6 @@ def live(request):
         yield MemoryLive()
     else:
         yield request.getfixturevalue("redis_live")
-
-
-@pytest.fixture
-def sessions(migrated_db_url):
-    db = make_engine(migrated_db_url)
-    yield make_session_factory(db)
-    db.dispose()
 
 
 @pytest.fixture
