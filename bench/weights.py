@@ -17,7 +17,9 @@ For each pair, in the same run, it reports:
   ``encode_hashed_gbps`` / ``decode_hashed_gbps``: :func:`encode_delta` and :func:`apply_delta`
   computing every SHA-256 they need; ``decode_verified_gbps``: :func:`apply_delta` with the base
   hash known (target hash still checked); ``sha256_gbps``: :func:`state_sha256` alone;
-- ``bit_exact``: the applied delta hashes to the new state.
+- ``bit_exact``: the applied delta hashes to the new state;
+- ``load_avg_1m``: the machine's 1-minute load average after the timings (other work on a shared
+  machine slows every rate above; ``sha256_gbps`` is a control that this codec does not affect).
 
 It prints a table and, with ``--json PATH``, writes ``{"pairs": [...]}``. Timings are the best of
 ``--repeats`` runs; on a shared machine they are noisy.
@@ -32,6 +34,7 @@ import argparse
 import hashlib
 import json
 import math
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -149,6 +152,7 @@ def measure(old: State, new: State, repeats: int) -> dict[str, Any]:
         "decode_verified_gbps": full / dec_v_s / 1e9,
         "sha256_gbps": full / hash_s / 1e9,
         "bit_exact": bool(exact),
+        "load_avg_1m": os.getloadavg()[0],
     }
 
 
@@ -177,7 +181,7 @@ def main(argv: list[str] | None = None) -> None:
             row = {"lr": lr, "steps_apart": gap, **measure(old, new, args.repeats), "train_s": round(train_s, 1)}
             rows.append(row)
             print(f"lr={lr:g} gap={gap}: changed {row['fraction_changed']:.4f} flywheel {row['flywheel_pct']:.3f}% "
-                  f"floor {row['floor_pct']:.3f}%", flush=True)
+                  f"floor {row['floor_pct']:.3f}% (load {row['load_avg_1m']:.1f})", flush=True)
     params = rows[0]["elements"] if rows else 0
     print(f"\nmodel: {params / 1e6:.1f}M parameters, {rows[0]['full_bytes'] / 1e6:.1f} MB bf16" if rows else "")
     head = (f"{'lr':>7} {'apart':>5} {'changed':>8} {'flywheel%':>9} {'xor+zstd%':>9} {'floor%':>7} {'fw/floor':>8} "

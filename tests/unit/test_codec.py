@@ -8,6 +8,7 @@ import random
 import numpy as np
 import pytest
 import torch
+import zstandard
 
 from flywheel.weights import codec
 from flywheel.weights.codec import (
@@ -322,9 +323,11 @@ def test_garbage_header_is_refused(rng: random.Random) -> None:
         b'"shape":[2],"len":0}]}' % base.encode(),
     ]
     for header in headers:
-        blob = codec.MAGIC + codec._PREFIX.pack(codec.FORMAT_VERSION, len(header)) + header
-        with pytest.raises(DeltaError):
-            apply_delta(old, blob)
+        # The header is zstd coded JSON: garbage inside a good frame, and a raw (unframed) header.
+        for head in (zstandard.ZstdCompressor().compress(header), header):
+            blob = codec.MAGIC + codec._PREFIX.pack(codec.FORMAT_VERSION, len(head)) + head
+            with pytest.raises(DeltaError):
+                apply_delta(old, blob)
 
 
 # --- the integer machinery ----------------------------------------------------------------------
@@ -452,9 +455,120 @@ def test_bad_class_entries_are_refused(rng: random.Random) -> None:
     _, offset = read_delta_header(delta)
     for key, value in [("classes", [5, 3]), ("classes", [0]), ("counts", [1, 2]), ("rice", [70] * 3),
                        ("parts", [10**9, 0]), ("classes", [1 << 20]), ("counts", "x")]:
-        raw = json.loads(bytes(delta[len(codec.MAGIC) + codec._PREFIX.size : offset]))
+        parsed = read_delta_header(delta)[0]
+        raw = {"base_sha256": parsed.base_sha256, "target_sha256": parsed.target_sha256, "tensors": parsed.tensors}
         raw["tensors"][0][key] = value
-        head = json.dumps(raw).encode()
+        head = codec._header_bytes(raw)
         blob = codec.MAGIC + codec._PREFIX.pack(codec.FORMAT_VERSION, len(head)) + head + delta[offset:]
         with pytest.raises(DeltaError):
             apply_delta(old, blob)
+
+
+# --- the compiled kernels -------------------------------------------------------------------------
+
+
+def test_other_dtypes_round_trip(rng: random.Random) -> None:
+    """Every element width goes through the same kernels (uint8 .. uint64 views)."""
+    g = gen(rng)
+    old = {
+        "i8": torch.randint(-128, 128, (1000,), generator=g, dtype=torch.int8),
+        "u8": torch.randint(0, 256, (70,), generator=g, dtype=torch.uint8),
+        "b": torch.rand(300, generator=g) < 0.5,
+        "i16": torch.randint(-(2**15), 2**15, (129,), generator=g, dtype=torch.int16),
+        "i32": torch.randint(-(2**31), 2**31, (200,), generator=g, dtype=torch.int32),
+        "f64": torch.randn(257, generator=g, dtype=torch.float64),
+        "c64": torch.randn(33, generator=g, dtype=torch.complex64),
+    }
+    new = {}
+    for name, t in old.items():
+        flat = t.clone().reshape(-1)
+        idx = torch.randperm(flat.numel(), generator=g)[: max(1, flat.numel() // 10)]
+        if t.dtype == torch.bool:
+            flat[idx] = ~flat[idx]
+        elif t.dtype.is_complex:
+            flat[idx] = flat[idx] * 2
+        elif t.dtype.is_floating_point:
+            flat[idx] = -flat[idx] * 1.5
+        else:
+            flat[idx] = flat[idx] ^ torch.tensor(1, dtype=t.dtype)  # includes wrapping at the extremes
+        new[name] = flat.reshape(t.shape)
+    delta = encode_delta(old, new)
+    assert_same(apply_delta(old, delta), new)
+
+
+@pytest.mark.parametrize("width", [1, 2, 4, 8])
+def test_step_streams_round_trip_including_escapes(rng: random.Random, width: int) -> None:
+    import zstandard
+
+    cctx, dctx = zstandard.ZstdCompressor(), zstandard.ZstdDecompressor()
+    dtype = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[width]
+    top = 2 ** (8 * width) - 1
+    gen_np = np.random.default_rng(rng.getrandbits(64))
+    count = rng.randrange(1, 3000)
+    small = gen_np.integers(1, 9, count).astype(np.uint64)
+    edges = np.array([1, 2, 6, 7, 8, 9, top - 1, top, top // 2, top // 2 + 1], dtype=np.uint64)
+    steps = np.concatenate([small, edges])[gen_np.permutation(count + edges.size)].astype(dtype)
+    (signs, mags, rest), _ = codec._encode_steps(steps, cctx)
+    decoded = codec._decode_steps(memoryview(signs), memoryview(mags), memoryview(rest), steps.size, width, dctx, "t")
+    assert np.array_equal(decoded, steps.astype(np.uint64))
+    with pytest.raises(DeltaError):
+        codec._decode_steps(memoryview(signs), memoryview(mags), memoryview(rest), steps.size + 9, width, dctx, "t")
+    with pytest.raises(DeltaError):  # a set padding bit (or one byte too many)
+        bad = signs[:-1] + bytes([signs[-1] | 0x80]) if steps.size % 8 else signs + b"\x01"
+        codec._decode_steps(memoryview(bad), memoryview(mags), memoryview(rest), steps.size, width, dctx, "t")
+
+
+def test_select_finds_the_rth_set_bit(rng: random.Random) -> None:
+    for _ in range(2000):
+        x = rng.getrandbits(64) & rng.getrandbits(64) if rng.random() < 0.5 else rng.getrandbits(64)
+        x |= 1 << rng.randrange(64)
+        ones = [b for b in range(64) if x >> b & 1]
+        r = rng.randrange(len(ones))
+        assert codec._nb_select(np.uint64(x), r) == ones[r]
+
+
+def test_changes_the_threshold_sample_misses_still_round_trip(rng: random.Random) -> None:
+    """The encoder sizes its buffers from a sample of blocks; changes only between the sampled
+    blocks overflow them, and it must start again with room for everything."""
+    g = gen(rng)
+    n = codec._SAMPLE_BLOCK * codec._SAMPLE_BLOCKS * 4
+    old = {"w": (torch.randn(n, generator=g) * 0.02).bfloat16()}
+    b = bits(old["w"]).clone()
+    every = n // (codec._SAMPLE_BLOCK * codec._SAMPLE_BLOCKS)
+    block = torch.arange(n) // codec._SAMPLE_BLOCK
+    b[block % every != 0] += 1  # every element outside the sampled blocks moves
+    new = {"w": b.view(torch.bfloat16)}
+    delta = encode_delta(old, new)
+    assert read_delta_header(delta)[0].tensors[0]["scheme"] in ("sparse", "full")
+    assert_same(apply_delta(old, delta), new)
+
+
+def test_magnitude_classes_are_used_and_exact(rng: random.Random) -> None:
+    """Small weights change far more often than large ones: the encoder splits them into classes."""
+    g = gen(rng)
+    old = {"w": (torch.randn(200_000, generator=g) * 0.02).bfloat16()}
+    b = bits(old["w"]).clone()
+    magnitude = old["w"].float().abs()
+    p = torch.where(magnitude < 0.005, 0.2, torch.where(magnitude < 0.02, 0.03, 0.002))
+    b = torch.where(torch.rand(b.shape, generator=g) < p, b + 1, b)
+    new = {"w": b.view(torch.bfloat16)}
+    delta = encode_delta(old, new)
+    entry = read_delta_header(delta)[0].tensors[0]
+    assert entry["scheme"] == "sparse" and len(entry["classes"]) >= 1
+    assert_same(apply_delta(old, delta), new)
+
+
+def test_packed_value_stream_round_trips(rng: random.Random, monkeypatch: pytest.MonkeyPatch) -> None:
+    """When most steps are escaped (big moves), the encoder also tries the steps as one packed
+    stream and keeps the smaller; force the packed one and check it decodes exactly."""
+    g = gen(rng)
+    old = {"w": torch.randn(20_000, generator=g) * 0.02}
+    moved = torch.rand(20_000, generator=g) < 0.3
+    new = {"w": torch.where(moved, old["w"] + 1e-4 * torch.randn(20_000, generator=g), old["w"])}
+    assert_same(apply_delta(old, encode_delta(old, new)), new)  # whichever was smaller
+    split = codec._encode_steps
+    monkeypatch.setattr(codec, "_encode_steps", lambda steps, cctx: ([b"\0" * 10**6, b"", b""], split(steps, cctx)[1]))
+    delta = encode_delta(old, new)
+    entry = read_delta_header(delta)[0].tensors[0]
+    assert entry["scheme"] == "sparse" and entry.get("values") == "packed"
+    assert_same(apply_delta(old, delta), new)
