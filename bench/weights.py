@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--hidden", type=int, default=384)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=8192)
-    parser.add_argument("--lrs", type=float, nargs="+", default=[1e-6, 3e-6, 1e-5])
+    parser.add_argument("--lrs", type=float, nargs="+", default=[1e-6, 1.8e-6, 3e-6, 1e-5])
     parser.add_argument("--gaps", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--warmup", type=int, default=8, help="Adam steps before the first export")
     parser.add_argument("--batch", type=int, default=4)
