@@ -222,10 +222,10 @@ def _open(settings: Settings) -> tuple[Any, Any, Any]:
 
     db = open_database(settings.database_url, settings.db.wait_s)
     sessions = make_session_factory(db)
-    return db, sessions, Registry(sessions, make_store(settings), settings.model.line, announce=_waker(settings))
+    return db, sessions, Registry(sessions, make_store(settings), settings.model.line, announce=node_waker(settings))
 
 
-def _waker(settings: Settings) -> Callable[[Any], None]:
+def node_waker(settings: Settings) -> Callable[[Any], None]:
     """Wakes the nodes after a status change (``flywheel.live`` notification; best effort: the
     nodes poll the registry anyway)."""
     from flywheel.live import make_live
@@ -344,7 +344,7 @@ def main(args: argparse.Namespace, settings: Settings) -> int:
         except RolloutError as exc:
             print(f"flywheel rollout {args.action}: {exc}", file=sys.stderr)
             return 1
-        _announce(settings, [registry.get(v) for v in changed])
+        announce(settings, [registry.get(v) for v in changed])
         for v in changed:
             print(f"v{v}: {registry.get(v).status}")
         return 0
@@ -352,7 +352,8 @@ def main(args: argparse.Namespace, settings: Settings) -> int:
         db.dispose()
 
 
-def _announce(settings: Settings, infos: Sequence[Any]) -> None:
+def announce(settings: Settings, infos: Sequence[Any]) -> None:
+    """Put the new status of each of ``infos`` on the versions topic."""
     from flywheel.bus import make_bus
 
     bus = make_bus(settings)

@@ -25,7 +25,9 @@ Invariants:
 - Rejected requests (auth, rate limit, too large, malformed, invalid fields, unknown model) never
   reach the upstream or the bus; they get a 4xx OpenAI envelope naming the offending field.
 - Keys, prompts and completions are never logged at INFO or above.
-- Admin routes need an admin key (auth on) or a loopback caller (auth off).
+- Admin routes need an admin key (auth on) or a loopback caller (auth off): capture depth, tenant
+  pins, and the line's versions (``GET /admin/versions``; ``POST /admin/versions/{v}/promote`` and
+  ``.../rollback``, the same as ``flywheel rollout promote|rollback``).
 """
 
 from __future__ import annotations
@@ -140,6 +142,7 @@ class Gateway:
         self.keys: KeyStore | None = None
         self.ownership: Ownership
         self.router: Router
+        self.sessions: Any = None  # the database's session factory (admin version routes)
         self.http = Pool(settings.gateway.upstream_timeout_s)
 
     # Lifecycle ---------------------------------------------------------------------------------
@@ -168,6 +171,7 @@ class Gateway:
         stack.callback(live.close)
         self.router = Router(settings, sessions, live, self.state.get_pins)
         stack.push_async_callback(self.router.close)
+        self.sessions = sessions
         stack.callback(self.http.close)
 
     async def stop(self) -> None:
@@ -611,6 +615,49 @@ def create_app(settings: Settings, *, producer_factory: Callable[[], Any] | None
         await gateway.admin(request)
         return {"pins": await gateway.state.get_pins()}
 
+    @app.get("/admin/versions")
+    async def admin_versions(request: Request) -> dict[str, Any]:
+        await gateway.admin(request)
+        from serving.rollout import status_report
+
+        registry = _registry(settings, gateway.sessions)
+        return await asyncio.to_thread(lambda: json.loads(json.dumps(
+            status_report(registry, gateway.sessions, settings.rollout), default=str)))
+
+    @app.post("/admin/versions/{version}/{action}")
+    async def admin_version_action(version: int, action: str, request: Request) -> dict[str, Any]:
+        """``promote`` or ``rollback`` a version, exactly as ``flywheel rollout promote|rollback``."""
+        await gateway.admin(request)
+        from flywheel.weights.registry import VersionNotFound
+        from serving.rollout import RolloutError, announce, manual_promote, manual_rollback
+
+        if action not in ("promote", "rollback"):
+            raise APIError(404, f"unknown version action {action!r}; promote or rollback", code="not_found")
+        if not 0 <= version < 2**31:
+            raise APIError(404, f"version {version} of {settings.model.line} is not in the registry",
+                           param="version", code="version_not_found")
+        registry = _registry(settings, gateway.sessions)
+        act = manual_promote if action == "promote" else manual_rollback
+
+        def apply() -> dict[str, Any]:
+            changed = act(registry, version, "admin API")
+            infos = [registry.get(v) for v in changed]
+            try:
+                announce(settings, infos)
+            except Exception as exc:  # the bus is down: the change stands (nodes follow the registry)
+                log.warning("version change not announced on the bus: %s", exc)
+            return {"changed": [{"version": i.version, "status": i.status} for i in infos]}
+
+        try:
+            result = await asyncio.to_thread(apply)
+        except VersionNotFound:
+            raise APIError(404, f"version {version} of {settings.model.line} is not in the registry",
+                           param="version", code="version_not_found") from None
+        except RolloutError as exc:
+            raise APIError(409, str(exc), code="rollout_conflict") from None
+        await gateway.router.refresh()
+        return result
+
     @app.put("/admin/pins/{tenant}", openapi_extra=_body_schema(PinRequest))
     async def admin_set_pin(tenant: str, request: Request) -> dict[str, Any]:
         await gateway.admin(request)
@@ -639,6 +686,15 @@ def create_app(settings: Settings, *, producer_factory: Callable[[], Any] | None
 
     app.openapi = openapi_with_bodies  # type: ignore[method-assign]
     return app
+
+
+def _registry(settings: Settings, sessions: Any) -> Any:
+    """The line's registry for the admin version routes (status changes only: no weights move)."""
+    from flywheel.weights.registry import Registry
+    from flywheel.weights.store import make_store
+    from serving.rollout import node_waker
+
+    return Registry(sessions, make_store(settings), settings.model.line, announce=node_waker(settings))
 
 
 _REF = "#/components/schemas/{model}"

@@ -305,6 +305,30 @@ def test_an_admin_pin_routes_the_tenants_new_sessions(stack):
     stack.check_captured(pinned + unpinned)
 
 
+def test_admin_version_routes_promote_and_roll_back_and_the_fleet_follows(stack):
+    url = f"{stack.gateway}/admin/versions"
+    v1 = stack.publish("candidate")
+    r = stack.http.post(f"{url}/{v1}/promote")
+    assert r.status_code == 200 and r.json() == {"changed": [{"version": v1, "status": "stable"}]}, r.text
+    stack.wait_fleet(stable=v1, canary=None, held={0, v1})
+    assert stack.served()[1] == v1
+    listed = {v["version"]: v["status"] for v in stack.http.get(url).json()["versions"]}
+    assert listed == {0: "retired", v1: "stable"}
+
+    r = stack.http.post(f"{url}/{v1}/rollback")  # the stable one: v0 comes back first
+    assert r.status_code == 200 and r.json() == {"changed": [{"version": 0, "status": "stable"},
+                                                             {"version": v1, "status": "rolled_back"}]}, r.text
+    stack.wait_fleet(stable=0, canary=None, held={0, v1})
+    assert stack.served()[1] == 0
+    assert [t["reason"] for t in stack.registry.transitions(v1)][-1].startswith("manual rollback")
+
+    r = stack.http.post(f"{url}/0/rollback")  # nothing earlier to restore
+    assert r.status_code == 409 and r.json()["error"]["code"] == "rollout_conflict", r.text
+    assert stack.http.post(f"{url}/999/promote").status_code == 404
+    assert stack.http.post(f"{url}/0/explode").status_code == 404
+    assert stack.registry.latest("stable").version == 0
+
+
 def test_the_openai_sdk_lists_the_model_with_its_live_versions(stack):
     stack.publish("canary")
     stack.wait_fleet(stable=0, canary=1, held={0, 1})

@@ -329,7 +329,9 @@ def test_forged_and_malformed_keys_are_refused_alike(env):
 
 def test_admin_routes_need_the_admin_key(env):
     routes = [("GET", "/admin/capture", None), ("GET", "/admin/pins", None),
-              ("PUT", "/admin/pins/acme", {"version": 9}), ("PUT", "/admin/pins/evil", {"version": None})]
+              ("PUT", "/admin/pins/acme", {"version": 9}), ("PUT", "/admin/pins/evil", {"version": None}),
+              ("GET", "/admin/versions", None), ("POST", "/admin/versions/3/promote", None),
+              ("POST", "/admin/versions/0/rollback", None)]
     with env.as_("admin") as admin:
         assert admin.put("/admin/pins/evil", json={"version": 2}).status_code == 200
     for method, path, body in routes:
@@ -341,6 +343,8 @@ def test_admin_routes_need_the_admin_key(env):
                 assert err["code"] == "admin_required" and err["type"] == "permission_error"
     with env.as_("admin") as admin:
         assert admin.get("/admin/pins").json() == {"pins": {"evil": 2}}  # no refused PUT changed anything
+        statuses = {v["version"]: v["status"] for v in admin.get("/admin/versions").json()["versions"]}
+        assert "stable" not in statuses.values()  # no refused promote changed anything
         assert admin.get("/admin/capture").status_code == 200
     # A revoked admin key is just another refused key.
     admin_id, admin_key = env.new_key("ops", role="admin")
