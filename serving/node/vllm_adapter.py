@@ -1,0 +1,487 @@
+"""Serve registry versions from a vLLM OpenAI server: LoRA adapters loaded at runtime, or full
+weights reloaded in place. See docs/vllm.md for the vLLM versions, flags and endpoints it targets.
+
+``VllmAdapter(base_url, registry, work_dir, mode=...)`` drives one vLLM server over HTTP (httpx,
+bounded time-outs) for one model line:
+
+- ``mode="lora"``: a version's weights are a PEFT LoRA adapter state. It is written to
+  ``work_dir/<line>-v<version>/`` (``adapter_config.json`` + ``adapter_model.safetensors``, written
+  to a temporary folder and renamed into place), loaded with ``POST /v1/load_lora_adapter``
+  (``{"lora_name": "<line>-v<version>", "lora_path": ...}``) and confirmed in ``GET /v1/models``.
+  The last ``keep_versions`` versions stay loaded (the live one always); older ones are unloaded
+  with ``POST /v1/unload_lora_adapter`` and their folders removed. Requests for a version use
+  ``model = "<line>-v<version>"`` (:meth:`model_for`).
+- ``mode="full"``: a version's weights are the full model state (the registry's parameter names,
+  which must be the checkpoint names vLLM's ``model.load_weights`` accepts). It is written as
+  ``work_dir/full/<line>-v<version>/model.safetensors`` and vLLM reloads it in place through the
+  dev-mode ``POST /collective_rpc`` calling the workers' ``reload_weights(weights_path=...,
+  is_checkpoint_format=True)``, between ``POST /pause?mode=wait`` and ``POST /resume`` (optional),
+  followed by ``POST /reset_prefix_cache`` (cached KV was computed by the old weights). Requests
+  keep using the served model name.
+
+The adapter has the engine surface the node's :class:`~serving.node.updater.Updater` drives
+(``current``, ``state``, ``versions``, ``holds``, ``activate``, ``swap``, ``keep_versions``), so the
+Updater's registry following, canary preloading, failure bookkeeping and heartbeats work
+unchanged; :meth:`apply` is the same step on its own (registry load with hash check, then swap).
+
+Invariants:
+- Only weights whose sha256 equals the registry row reach vLLM: :meth:`swap` re-hashes the state
+  it is handed, and :meth:`apply` loads through ``Registry.load`` (which verifies every step).
+  Files already on disk are re-hashed before they are reused.
+- A version is reported live or held only after vLLM answered the call that loads it with success
+  (and, for LoRA, lists the adapter in ``/v1/models``). On any failure (HTTP error, time-out,
+  refusal) the previous version keeps serving and the failure is raised (:meth:`swap`) or
+  returned (:meth:`apply`). A failed full reload may have overwritten part of the weights, so the
+  adapter reloads the previous version's file; when that fails too, :meth:`current` reports
+  ``None`` (unknown) rather than a version vLLM does not hold.
+- One load at a time (a lock held across the HTTP calls); readers (``current``, ``model_for``)
+  take only a short second lock, so they never wait for vLLM. The adapter never starts or
+  restarts vLLM.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import shutil
+import threading
+import time
+from pathlib import Path
+from typing import Any, Literal
+
+import httpx
+import safetensors.torch
+import torch
+
+from flywheel.weights.codec import encode_full, state_sha256
+from serving.node.updater import UpdateOutcome
+
+log = logging.getLogger(__name__)
+
+State = dict[str, torch.Tensor]
+Mode = Literal["lora", "full"]
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+FULL_WEIGHTS = "model.safetensors"
+
+#: What vLLM must be started with for each mode (named in errors, so a 404 says what to fix).
+_NEEDS = {
+    "lora": "vLLM started with --enable-lora (and --max-loras/--max-lora-rank large enough) "
+    "and VLLM_ALLOW_RUNTIME_LORA_UPDATING=1",
+    "full": "vLLM started with VLLM_SERVER_DEV_MODE=1 (dev endpoints /collective_rpc, "
+    "/reset_prefix_cache, /pause, /resume)",
+}
+
+
+class VllmError(RuntimeError):
+    """vLLM refused a call, failed it, or did not answer in time."""
+
+    def __init__(self, message: str, *, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class VllmAdapter:
+    """One model line served by the vLLM server at ``base_url`` (see the module docstring)."""
+
+    def __init__(
+        self,
+        base_url: str,
+        registry: Any,
+        work_dir: str | os.PathLike[str],
+        *,
+        mode: Mode = "lora",
+        served_model_name: str = "",
+        keep_versions: int = 4,
+        lora_config: dict[str, Any] | None = None,
+        base_version: int | None = None,
+        base_state: State | None = None,
+        base_path: str | os.PathLike[str] | None = None,
+        pause: bool = True,
+        api_key: str = "",
+        connect_timeout_s: float = 5.0,
+        request_timeout_s: float = 60.0,
+        reload_timeout_s: float = 600.0,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
+        """``served_model_name``: vLLM's ``--served-model-name`` (the model full-mode requests name).
+        ``lora_config``: the PEFT ``adapter_config.json`` fields of this line's adapters (at least
+        ``target_modules`` and ``lora_alpha``; ``r`` is read from the weights when absent).
+        ``base_version``/``base_state``: full mode, the registry version vLLM was started with and
+        its weights (the base deltas are applied to); without them the first update loads a full
+        reconstruction and :meth:`current` is ``None`` until then. ``base_path``: the model folder
+        vLLM was started from, reloaded to restore the base version after a failed update.
+        ``pause``: full mode, drain requests (``/pause?mode=wait``) around the reload so that no
+        generation mixes two versions."""
+        if mode not in ("lora", "full"):
+            raise ValueError(f"mode must be 'lora' or 'full', not {mode!r}")
+        if keep_versions < 1:
+            raise ValueError("keep_versions must be at least 1")
+        if mode == "lora" and not lora_config:
+            raise ValueError("mode='lora' needs lora_config (at least target_modules and lora_alpha)")
+        if mode == "full" and (base_version is None) != (base_state is None):
+            raise ValueError("give both base_version and base_state, or neither")
+        self.mode: Mode = mode
+        self.registry = registry
+        self.line: str = registry.model_line
+        self.work_dir = Path(work_dir)
+        self.served_model_name = served_model_name
+        self.keep_versions = keep_versions if mode == "lora" else 1
+        self.lora_config = dict(lora_config or {})
+        self.pause = pause
+        self.reload_timeout_s = reload_timeout_s
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._http = httpx.Client(
+            base_url=base_url.rstrip("/"),
+            headers=headers,
+            timeout=httpx.Timeout(request_timeout_s, connect=connect_timeout_s),
+            transport=transport,
+        )
+        self._load_lock = threading.RLock()  # one load at a time (held across HTTP calls)
+        self._lock = threading.RLock()  # what is held and live (held briefly; readers never wait on vLLM)
+        self._held: dict[int, tuple[str, Path | None]] = {}  # version -> (sha256, folder on disk)
+        self._order: list[int] = []  # least recently loaded or made live first
+        self._states: dict[int, State] = {}  # held versions' states (the live one is the base for deltas)
+        self._live: int | None = None
+        self.status = "serving"
+        self.detail = ""
+        self.resume_error = ""  # set when /resume failed after a reload: vLLM stays paused
+        if mode == "full" and base_version is not None and base_state is not None:
+            sha = state_sha256(base_state)
+            expected = registry.get(base_version).sha256
+            if sha != expected:
+                raise ValueError(f"base_state does not match version {base_version}'s recorded hash")
+            self._held[base_version] = (sha, Path(base_path) if base_path is not None else None)
+            self._order.append(base_version)
+            self._states[base_version] = base_state
+            self._live = base_version
+
+    def close(self) -> None:
+        self._http.close()
+
+    # --- the engine surface the Updater drives ---------------------------------------------------
+
+    def current(self) -> tuple[int | None, str]:
+        with self._lock:
+            if self._live is None:
+                return None, ""
+            return self._live, self._held[self._live][0]
+
+    def state(self) -> State:
+        with self._lock:
+            if self._live is None:
+                raise LookupError("no version is live")
+            return self._states[self._live]
+
+    def versions(self) -> list[int]:
+        with self._lock:
+            return sorted(self._held)
+
+    def holds(self, version: int) -> bool:
+        with self._lock:
+            return version in self._held
+
+    def activate(self, version: int) -> bool:
+        """Make a held version live (LoRA: it is already loaded in vLLM); False if not held."""
+        with self._lock:
+            if version not in self._held:
+                return False
+            if self.mode == "full":
+                return version == self._live
+            self._live = version
+            self._touch(version)
+            return True
+
+    def model_for(self, version: int | None = None) -> str:
+        """The ``model`` a request for ``version`` (default: the live one) sends to vLLM."""
+        with self._lock:
+            version = self._live if version is None else version
+            if self.mode == "full" or version is None:
+                if version is not None and version != self._live:
+                    raise LookupError(f"version {version} is not loaded (live: {self._live})")
+                return self.served_model_name
+            if version not in self._held:
+                raise LookupError(f"version {version} is not loaded (held: {sorted(self._held)})")
+            return self.lora_name(version)
+
+    def lora_name(self, version: int) -> str:
+        return f"{self.line}-v{version}"
+
+    def swap(self, version: int, state: State, sha256: str, *, live: bool = True) -> None:
+        """Load ``state`` (registry version ``version``, hash ``sha256``) into vLLM; raise
+        :class:`VllmError` (or ``ValueError`` for weights that do not match) and keep serving the
+        previous version on failure."""
+        if state_sha256(state) != sha256:
+            raise ValueError(f"version {version}: weights do not match sha256 {sha256[:12]}")
+        with self._load_lock:
+            if self.mode == "lora":
+                self._swap_lora(version, state, sha256, live=live)
+            else:
+                if not live:
+                    raise ValueError("full mode holds one version: it cannot preload without going live")
+                self._swap_full(version, state, sha256)
+
+    def _touch(self, version: int) -> None:
+        if version in self._order:
+            self._order.remove(version)
+        self._order.append(version)
+
+    def _forget(self) -> None:
+        """vLLM's weights are unknown: claim nothing."""
+        with self._lock:
+            self._live = None
+            self._held, self._order, self._states = {}, [], {}
+
+    def _set(self, status: str, detail: str) -> None:
+        self.status, self.detail = status, detail
+
+    # --- one step on its own ---------------------------------------------------------------------
+
+    def apply(self, version: int, *, live: bool = True) -> UpdateOutcome:
+        """Make registry ``version`` live in vLLM (``live=False``, LoRA only: load it beside the
+        live one). Never raises for a failed load: the outcome says what happened."""
+        with self._load_lock:
+            current, _ = self.current()
+            if version == current or (not live and self.holds(version)):
+                return UpdateOutcome(True, False, current)
+            if live and self.activate(version):
+                self._set("serving", f"updated {current} -> {version} (already loaded)")
+                return UpdateOutcome(True, True, version, self.detail)
+            started = time.perf_counter()
+            try:
+                info = self.registry.get(version)
+                base = (current, self.state()) if current is not None else None
+                state = self.registry.load(version, base=base)
+                self.swap(version, state, info.sha256, live=live)
+            except Exception as exc:  # keep serving what we have; report why
+                reason = f"version {version}: {type(exc).__name__}: {exc}"
+                log.error("vLLM update failed, still serving version %s: %s", self.current()[0], reason)
+                self._set("failed_update", reason)
+                return UpdateOutcome(False, False, self.current()[0], reason)
+            took = time.perf_counter() - started
+            if not live:
+                self._set("serving", f"holding version {version} beside {current} (loaded in {took:.2f}s)")
+                return UpdateOutcome(True, False, current, self.detail)
+            self._set("serving", f"updated {current} -> {version} in {took:.2f}s")
+            return UpdateOutcome(True, True, version, self.detail)
+
+    def loaded_models(self) -> list[str]:
+        """The model ids vLLM lists in ``GET /v1/models`` (base model and loaded LoRA adapters)."""
+        body = self._call("GET", "/v1/models")
+        return [str(card.get("id")) for card in (body or {}).get("data", [])]
+
+    # --- LoRA ------------------------------------------------------------------------------------
+
+    def _swap_lora(self, version: int, state: State, sha256: str, *, live: bool) -> None:
+        if version in self._held:
+            if self._held[version][0] != sha256:
+                raise ValueError(f"version {version} is loaded with another hash")
+        else:
+            _check_lora_state(state)
+            name = self.lora_name(version)
+            folder = self._materialise(self.work_dir / name, state, sha256, adapter_config=self._adapter_config(state))
+            try:
+                if name not in self.loaded_models():  # else: loaded by an earlier attempt that timed out
+                    self._call("POST", "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(folder)})
+                    if name not in self.loaded_models():
+                        raise VllmError(f"vLLM accepted LoRA adapter {name!r} but does not list it in /v1/models")
+            except BaseException:
+                shutil.rmtree(folder, ignore_errors=True)  # vLLM read it already if it loaded it
+                raise
+            with self._lock:
+                self._held[version] = (sha256, folder)
+                self._states[version] = state
+        with self._lock:
+            self._touch(version)
+            if live:
+                self._live = version
+        self._prune_lora()
+
+    def _prune_lora(self) -> None:
+        """Unload the least recently used adapters beyond ``keep_versions`` (never the live one)."""
+        doomed = [v for v in self._order if v != self._live][: max(0, len(self._held) - self.keep_versions)]
+        failures = []
+        for version in doomed:
+            name = self.lora_name(version)
+            try:
+                self._call("POST", "/v1/unload_lora_adapter", json={"lora_name": name})
+            except VllmError as exc:
+                if exc.status != 404:  # 404: vLLM no longer has it, which is what we want
+                    failures.append(f"{name}: {exc}")
+                    continue  # still loaded in vLLM: keep it on the books, retried next time
+            with self._lock:
+                _, folder = self._held.pop(version)
+                self._order.remove(version)
+                self._states.pop(version, None)
+            if folder is not None:
+                shutil.rmtree(folder, ignore_errors=True)
+        if failures:
+            log.warning("could not unload LoRA adapters (retried on the next load): %s", "; ".join(failures))
+
+    def _adapter_config(self, state: State) -> dict[str, Any]:
+        config = {"peft_type": "LORA", "bias": "none", "task_type": "CAUSAL_LM", **self.lora_config}
+        if "r" not in config:
+            config["r"] = _lora_rank(state)
+        return config
+
+    # --- full weights ----------------------------------------------------------------------------
+
+    def _swap_full(self, version: int, state: State, sha256: str) -> None:
+        if version == self._live:
+            return
+        folder = self._materialise(self.work_dir / "full" / f"{self.line}-v{version}", state, sha256)
+        previous = self._live
+        previous_folder = self._held[previous][1] if previous is not None else None
+        try:
+            self._reload(folder)
+        except VllmError as exc:
+            if exc.status is not None and 400 <= exc.status < 500:
+                raise  # refused before touching the weights (dev mode off, bad request)
+            raise self._restore(previous, previous_folder, exc) from exc
+        with self._lock:
+            self._held = {version: (sha256, folder)}
+            self._order = [version]
+            self._states = {version: state}
+            self._live = version
+        for stale in (self.work_dir / "full").iterdir():
+            if stale != folder:
+                shutil.rmtree(stale, ignore_errors=True)
+
+    def _reload(self, folder: Path) -> None:
+        """Pause (drain), reload the weights from ``folder`` on every worker, reset the prefix
+        cache, resume. Resume is attempted whatever happened."""
+        paused = False
+        try:
+            if self.pause:
+                # mode=wait: drain in-flight requests (current vLLM); the deprecated flag means the
+                # same to releases whose /pause predates ``mode`` (they ignore unknown parameters
+                # and would otherwise abort in-flight requests).
+                self._call("POST", "/pause", params={"mode": "wait", "wait_for_inflight_requests": "true"},
+                           timeout=self.reload_timeout_s)
+                paused = True
+            body = self._call(
+                "POST",
+                "/collective_rpc",
+                json={
+                    "method": "reload_weights",
+                    "kwargs": {"weights_path": str(folder), "is_checkpoint_format": True},
+                    "timeout": self.reload_timeout_s,
+                },
+                timeout=self.reload_timeout_s,
+            )
+            if body is not None and not isinstance(body.get("results"), list):
+                raise VllmError(f"/collective_rpc answered without results: {body!r}", status=200)
+            self._call("POST", "/reset_prefix_cache")
+        finally:
+            if paused:
+                try:
+                    self._call("POST", "/resume")
+                except VllmError as exc:  # not raised: it would hide what happened to the weights
+                    self.resume_error = str(exc)
+                    log.error("vLLM did not resume generation after a weight update: %s", exc)
+                else:
+                    self.resume_error = ""
+
+    def _restore(self, previous: int | None, folder: Path | None, cause: VllmError) -> VllmError:
+        """After a failed reload the weights may be half new: reload the previous version's file.
+        Returns the error to raise; when restoring fails, nothing is reported live."""
+        if previous is None or folder is None or not folder.is_dir():
+            self._forget()
+            return VllmError(f"{cause}; no file of the previous version to restore, vLLM weights unknown",
+                             status=cause.status)
+        try:
+            self._reload(folder)
+        except VllmError as exc:
+            self._forget()
+            return VllmError(f"{cause}; restoring version {previous} failed too ({exc}): vLLM weights unknown",
+                             status=cause.status)
+        return VllmError(f"{cause}; version {previous} restored", status=cause.status)
+
+    # --- files -----------------------------------------------------------------------------------
+
+    def _materialise(self, folder: Path, state: State, sha256: str, *, adapter_config: dict[str, Any] | None = None) -> Path:
+        """``folder`` holding ``state`` (and the adapter config), written atomically; an existing
+        folder is reused only when its weights hash to ``sha256``."""
+        weights_name = ADAPTER_WEIGHTS if adapter_config is not None else FULL_WEIGHTS
+        if folder.is_dir():
+            try:
+                if state_sha256(safetensors.torch.load_file(folder / weights_name)) == sha256:
+                    return folder
+            except Exception as exc:  # unreadable leftovers: rewritten below
+                log.warning("rewriting %s: %s", folder, exc)
+            shutil.rmtree(folder)
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        tmp = folder.parent / f".tmp-{folder.name}-{secrets.token_hex(4)}"
+        tmp.mkdir()
+        try:
+            _write_synced(tmp / weights_name, encode_full(state))
+            if adapter_config is not None:
+                _write_synced(tmp / ADAPTER_CONFIG, json.dumps(adapter_config, indent=2, sort_keys=True).encode())
+            os.rename(tmp, folder)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return folder
+
+    # --- HTTP ------------------------------------------------------------------------------------
+
+    def _call(self, method: str, path: str, *, timeout: float | None = None, **kwargs: Any) -> Any:
+        """One request; the JSON body (None when empty or not JSON); :class:`VllmError` otherwise."""
+        if timeout is not None:
+            kwargs["timeout"] = httpx.Timeout(timeout, connect=self._http.timeout.connect)
+        try:
+            response = self._http.request(method, path, **kwargs)
+        except httpx.TimeoutException as exc:
+            raise VllmError(f"{method} {path}: no answer in time ({type(exc).__name__})") from exc
+        except httpx.HTTPError as exc:
+            raise VllmError(f"{method} {path}: {type(exc).__name__}: {exc}") from exc
+        if response.status_code != 200:
+            message = _error_message(response)
+            if response.status_code == 404 and "not found" == message.lower():
+                message += f" (the endpoint is missing: {_NEEDS[self.mode]})"
+            raise VllmError(f"{method} {path}: HTTP {response.status_code}: {message}", status=response.status_code)
+        if not response.content:
+            return None
+        try:
+            return response.json()
+        except ValueError:
+            return None  # e.g. the LoRA endpoints answer plain text on success
+
+
+def _error_message(response: httpx.Response) -> str:
+    """The message of vLLM's error bodies: ``{"error": {"message": ...}}`` (current),
+    ``{"message": ...}`` (older ErrorResponse) or FastAPI's ``{"detail": ...}``."""
+    try:
+        body = response.json()
+    except ValueError:
+        return response.text[:500] or response.reason_phrase
+    if isinstance(body, dict):
+        error = body.get("error")
+        if isinstance(error, dict) and "message" in error:
+            return str(error["message"])
+        for key in ("message", "detail", "error"):
+            if key in body:
+                return str(body[key])
+    return str(body)[:500]
+
+
+def _check_lora_state(state: State) -> None:
+    if not state or not all(".lora_A." in n or ".lora_B." in n for n in state):
+        raise ValueError("not a PEFT LoRA adapter state: every tensor name must contain .lora_A. or .lora_B.")
+
+
+def _lora_rank(state: State) -> int:
+    ranks = {int(t.shape[0]) for n, t in state.items() if ".lora_A." in n}
+    if len(ranks) != 1:
+        raise ValueError(f"LoRA A matrices disagree on the rank: {sorted(ranks)}")
+    return ranks.pop()
+
+
+def _write_synced(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())

@@ -1,0 +1,319 @@
+"""The vLLM adapter against a stand-in vLLM HTTP server, with a real registry (SQLite and
+PostgreSQL) and folder store: LoRA load/unload, full-weight reloads, failures, corrupt objects."""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from pathlib import Path
+
+import pytest
+import safetensors.torch
+import torch
+
+from flywheel.weights.codec import encode_full, state_sha256
+from flywheel.weights.registry import Registry
+from flywheel.weights.store import FolderStore
+from serving.node.updater import Updater
+from serving.node.vllm_adapter import VllmAdapter
+from tests.fixtures.vllm_standin import VllmStandIn
+
+pytestmark = pytest.mark.integration
+
+LORA_CONFIG = {"lora_alpha": 16, "target_modules": ["q_proj", "v_proj"], "base_model_name_or_path": "base-model"}
+
+
+@pytest.fixture
+def rng() -> random.Random:
+    seed = random.SystemRandom().getrandbits(32)
+    print(f"vllm adapter test seed: {seed}")
+    return random.Random(seed)
+
+
+@pytest.fixture
+def standin():
+    with VllmStandIn() as server:
+        yield server
+
+
+def lora_state(rng: random.Random, rank: int = 4, hidden: int = 32, layers: int = 2) -> dict[str, torch.Tensor]:
+    """A PEFT-shaped LoRA adapter state (names as PEFT saves them, without the adapter name)."""
+    g = torch.Generator().manual_seed(rng.getrandbits(63))
+    state = {}
+    for i in range(layers):
+        for proj in ("q_proj", "v_proj"):
+            prefix = f"base_model.model.model.layers.{i}.self_attn.{proj}"
+            state[f"{prefix}.lora_A.weight"] = (torch.randn(rank, hidden, generator=g) * 0.02).bfloat16()
+            state[f"{prefix}.lora_B.weight"] = (torch.randn(hidden, rank, generator=g) * 0.02).bfloat16()
+    return state
+
+
+def full_state(rng: random.Random) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(rng.getrandbits(63))
+    return {
+        "model.embed_tokens.weight": (torch.randn(300, 64, generator=g) * 0.02).bfloat16(),
+        "model.layers.0.mlp.down_proj.weight": (torch.randn(64, 64, generator=g) * 0.02).bfloat16(),
+        "model.norm.weight": torch.ones(64),
+    }
+
+
+def step(rng: random.Random, state: dict[str, torch.Tensor], fraction: float = 0.03) -> dict[str, torch.Tensor]:
+    """A fake optimizer step: a few percent of the bf16 weights move by one ULP."""
+    g = torch.Generator().manual_seed(rng.getrandbits(63))
+    out = {}
+    for name, t in state.items():
+        if t.dtype == torch.bfloat16:
+            b = t.clone().view(torch.int16)
+            out[name] = torch.where(torch.rand(b.shape, generator=g) < fraction, b + 1, b).view(torch.bfloat16)
+        else:
+            out[name] = t.clone()
+    return out
+
+
+def publish_chain(registry: Registry, first: dict[str, torch.Tensor], n: int, rng: random.Random):
+    states, infos = [first], [registry.publish(first, parent=None)]
+    for v in range(1, n):
+        states.append(step(rng, states[-1]))
+        infos.append(registry.publish(states[v], parent=v - 1, parent_state=states[v - 1]))
+    return states, infos
+
+
+# --- LoRA ---------------------------------------------------------------------------------------
+
+
+def test_lora_versions_load_and_old_ones_unload(sessions, tmp_path: Path, standin: VllmStandIn, rng) -> None:
+    registry = Registry(sessions, FolderStore(tmp_path / "store"), "lora-line", full_every=3)
+    states, infos = publish_chain(registry, lora_state(rng), 5, rng)
+    assert {i.kind for i in infos} == {"full", "delta"}  # deltas are rebuilt before they reach vLLM
+    work = tmp_path / "work"
+    adapter = VllmAdapter(standin.url, registry, work, mode="lora", keep_versions=2, lora_config=LORA_CONFIG,
+                          served_model_name="base-model")
+
+    for info in infos:
+        outcome = adapter.apply(info.version)
+        assert outcome.ok and outcome.changed and outcome.version == info.version, outcome
+        assert adapter.current() == (info.version, info.sha256)
+
+    names = [f"lora-line-v{v}" for v in range(5)]
+    loads = [c.body for c in standin.calls if c.path == "/v1/load_lora_adapter"]
+    unloads = [c.body for c in standin.calls if c.path == "/v1/unload_lora_adapter"]
+    assert [b["lora_name"] for b in loads] == names
+    assert [b["lora_path"] for b in loads] == [str(work / n) for n in names]
+    assert unloads == [{"lora_name": n} for n in names[:3]]  # oldest first, the last two stay
+    assert sorted(standin.loras) == names[3:]
+    assert adapter.versions() == [3, 4]
+    assert adapter.model_for() == "lora-line-v4" and adapter.model_for(3) == "lora-line-v3"
+    assert sorted(adapter.loaded_models()) == sorted(["base-model", *names[3:]])
+
+    # What vLLM read is the registry's version, bit for bit, in PEFT layout; unloaded folders are gone.
+    assert sorted(p.name for p in work.iterdir()) == names[3:]
+    for v in (3, 4):
+        folder = work / f"lora-line-v{v}"
+        assert (folder / "adapter_model.safetensors").read_bytes() == encode_full(states[v])
+        assert state_sha256(safetensors.torch.load_file(folder / "adapter_model.safetensors")) == infos[v].sha256
+        assert standin.loras[f"lora-line-v{v}"]["sha256"] == infos[v].sha256
+        config = json.loads((folder / "adapter_config.json").read_text())
+        assert config["peft_type"] == "LORA" and config["r"] == 4
+        assert config["target_modules"] == ["q_proj", "v_proj"] and config["lora_alpha"] == 16
+
+    # An older held version goes live again without a load; a canary preload stays beside it.
+    before = len(standin.calls)
+    assert adapter.apply(3).changed and adapter.current()[0] == 3
+    assert len(standin.calls) == before
+    # ... and the next version is rebuilt on top of it (its state is the base for the delta).
+    nxt = registry.publish(step(rng, states[3]), parent=3, parent_state=states[3])
+    assert adapter.apply(nxt.version).ok and adapter.current() == (nxt.version, nxt.sha256)
+    assert sorted(standin.loras) == [f"lora-line-v{v}" for v in (3, nxt.version)]
+
+
+def test_updater_drives_the_lora_adapter(sessions, tmp_path: Path, standin: VllmStandIn, rng) -> None:
+    """The node's Updater follows stable and preloads canary through the adapter unchanged."""
+    registry = Registry(sessions, FolderStore(tmp_path / "store"), "lora-upd")
+    states, infos = publish_chain(registry, lora_state(rng), 3, rng)
+    registry.set_status(1, "stable", reason="test")
+    registry.set_status(2, "canary", reason="test")
+    adapter = VllmAdapter(standin.url, registry, tmp_path / "work", mode="lora", keep_versions=2,
+                          lora_config=LORA_CONFIG)
+    updater = Updater(adapter, registry, _settings())
+    outcome = updater.check_once()
+    assert outcome.ok and outcome.version == 1
+    assert adapter.current() == (1, infos[1].sha256)
+    assert adapter.versions() == [1, 2]  # canary loaded, not live
+    assert sorted(standin.loras) == ["lora-upd-v1", "lora-upd-v2"]
+
+
+def test_lora_failure_keeps_previous_version(sessions, tmp_path: Path, standin: VllmStandIn, rng) -> None:
+    registry = Registry(sessions, FolderStore(tmp_path / "store"), "lora-fail")
+    states, infos = publish_chain(registry, lora_state(rng), 3, rng)
+    adapter = VllmAdapter(standin.url, registry, tmp_path / "work", mode="lora", keep_versions=2,
+                          lora_config=LORA_CONFIG, request_timeout_s=0.5)
+    assert adapter.apply(0).ok
+
+    standin.fail("/v1/load_lora_adapter", 500, "CUDA out of memory")
+    outcome = adapter.apply(1)
+    assert not outcome.ok and not outcome.changed and outcome.version == 0
+    assert "CUDA out of memory" in outcome.detail and adapter.status == "failed_update"
+    assert adapter.current() == (0, infos[0].sha256) and adapter.versions() == [0]
+
+    # vLLM does not answer in time: bounded, and nothing is reported live.
+    standin.hang("/v1/load_lora_adapter", 2.0)
+    started = time.monotonic()
+    outcome = adapter.apply(1)
+    assert time.monotonic() - started < 1.8
+    assert not outcome.ok and "no answer in time" in outcome.detail
+    assert adapter.current()[0] == 0 and not adapter.holds(1)
+    time.sleep(2.2)  # let the stand-in finish the hung request (it did load it)
+
+    # The retry finds the adapter already in vLLM (same name, same bytes) and takes it.
+    assert adapter.apply(1).ok and adapter.current() == (1, infos[1].sha256)
+
+    # vLLM accepts the adapter, then cannot list it: not reported, the previous one stays live.
+    standin.fail("/v1/models", 500, "boom", skip=1)
+    outcome = adapter.apply(2)
+    assert not outcome.ok and "boom" in outcome.detail and "lora-fail-v2" in standin.loras
+    assert adapter.current() == (1, infos[1].sha256) and not adapter.holds(2)
+
+    # vLLM answers 200 to the load but does not list the adapter: not reported either.
+    del standin.loras["lora-fail-v2"]
+    standin.list_loras = False
+    outcome = adapter.apply(2)
+    assert not outcome.ok and "does not list it" in outcome.detail
+    assert adapter.current() == (1, infos[1].sha256) and not adapter.holds(2)
+    assert not (tmp_path / "work" / "lora-fail-v2").exists()
+
+
+def test_lora_endpoints_off_is_reported(sessions, tmp_path: Path, rng) -> None:
+    registry = Registry(sessions, FolderStore(tmp_path / "store"), "lora-off")
+    registry.publish(lora_state(rng), parent=None)
+    with VllmStandIn(runtime_lora=False) as server:
+        adapter = VllmAdapter(server.url, registry, tmp_path / "work", mode="lora", lora_config=LORA_CONFIG)
+        outcome = adapter.apply(0)
+    assert not outcome.ok and outcome.version is None
+    assert "HTTP 404" in outcome.detail and "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1" in outcome.detail
+
+
+def test_not_a_lora_state_is_refused(sessions, tmp_path: Path, standin: VllmStandIn, rng) -> None:
+    registry = Registry(sessions, FolderStore(tmp_path / "store"), "lora-bad")
+    registry.publish(full_state(rng), parent=None)
+    adapter = VllmAdapter(standin.url, registry, tmp_path / "work", mode="lora", lora_config=LORA_CONFIG)
+    outcome = adapter.apply(0)
+    assert not outcome.ok and "not a PEFT LoRA adapter" in outcome.detail
+    assert standin.calls == []
+
+
+# --- full weights -------------------------------------------------------------------------------
+
+
+def _full_setup(sessions, tmp_path: Path, standin: VllmStandIn, rng, n: int = 4, **kwargs):
+    registry = Registry(sessions, FolderStore(tmp_path / "store"), "full-line", full_every=3)
+    states, infos = publish_chain(registry, full_state(rng), n, rng)
+    standin.param_shapes = {k: tuple(t.shape) for k, t in states[0].items()}
+    base = tmp_path / "base-model"  # the folder vLLM was started from (version 0)
+    base.mkdir()
+    (base / "model.safetensors").write_bytes(encode_full(states[0]))
+    adapter = VllmAdapter(standin.url, registry, tmp_path / "work", mode="full", served_model_name="base-model",
+                          base_version=0, base_state=states[0], base_path=base, **kwargs)
+    return registry, states, infos, adapter
+
+
+def test_full_weight_update_call_sequence(sessions, tmp_path: Path, standin: VllmStandIn, rng) -> None:
+    registry, states, infos, adapter = _full_setup(sessions, tmp_path, standin, rng)
+    assert adapter.current() == (0, infos[0].sha256)
+
+    outcome = adapter.apply(2)
+    assert outcome.ok and outcome.changed and adapter.current() == (2, infos[2].sha256)
+    folder = tmp_path / "work" / "full" / "full-line-v2"
+    assert [(c.method, c.path) for c in standin.calls] == [
+        ("POST", "/pause"), ("POST", "/collective_rpc"), ("POST", "/reset_prefix_cache"), ("POST", "/resume")]
+    assert standin.calls[0].query == {"mode": ["wait"], "wait_for_inflight_requests": ["true"]}
+    assert standin.pause_modes == ["wait"]
+    rpc = standin.calls[1].body
+    assert rpc["method"] == "reload_weights"
+    assert rpc["kwargs"] == {"weights_path": str(folder), "is_checkpoint_format": True}
+    assert rpc["timeout"] > 0
+    assert standin.weights_sha256 == infos[2].sha256 and not standin.paused
+    assert (folder / "model.safetensors").read_bytes() == encode_full(states[2])
+    assert adapter.model_for() == "base-model" and adapter.versions() == [2]
+
+    assert adapter.apply(3).ok and standin.weights_sha256 == infos[3].sha256
+    assert sorted(p.name for p in (tmp_path / "work" / "full").iterdir()) == ["full-line-v3"]
+    assert standin.prefix_cache_resets == 2
+
+
+def test_full_failure_restores_previous_version(sessions, tmp_path: Path, standin: VllmStandIn, rng) -> None:
+    registry, states, infos, adapter = _full_setup(sessions, tmp_path, standin, rng)
+    assert adapter.apply(1).ok
+
+    standin.fail("/collective_rpc", 500, "RuntimeError: CUDA error: an illegal memory access")
+    outcome = adapter.apply(2)
+    assert not outcome.ok and outcome.version == 1
+    assert "illegal memory access" in outcome.detail and "version 1 restored" in outcome.detail
+    rpcs = [c.body["kwargs"]["weights_path"] for c in standin.calls if c.path == "/collective_rpc"]
+    assert rpcs[-2:] == [str(tmp_path / "work/full/full-line-v2"), str(tmp_path / "work/full/full-line-v1")]
+    assert standin.weights_sha256 == infos[1].sha256 and not standin.paused
+    assert adapter.current() == (1, infos[1].sha256)
+
+    # Restoring fails too: the adapter no longer claims any version.
+    standin.fail("/collective_rpc", 500, "engine dead", times=2)
+    outcome = adapter.apply(2)
+    assert not outcome.ok and outcome.version is None and "weights unknown" in outcome.detail
+    assert adapter.current() == (None, "")
+
+    # A later full load (no base) brings it back.
+    assert adapter.apply(3).ok and adapter.current() == (3, infos[3].sha256)
+    assert standin.weights_sha256 == infos[3].sha256
+
+
+def test_full_refusal_and_dev_mode_off(sessions, tmp_path: Path, rng) -> None:
+    with VllmStandIn(dev_mode=False) as server:
+        registry, states, infos, adapter = _full_setup(sessions, tmp_path, server, rng, n=2)
+        outcome = adapter.apply(1)
+        assert not outcome.ok and outcome.version == 0
+        assert "HTTP 404" in outcome.detail and "VLLM_SERVER_DEV_MODE=1" in outcome.detail
+        assert [c.path for c in server.calls] == ["/pause"]  # refused before anything was touched
+
+
+def test_full_timeout_is_bounded(sessions, tmp_path: Path, standin: VllmStandIn, rng) -> None:
+    registry, states, infos, adapter = _full_setup(sessions, tmp_path, standin, rng, n=2, reload_timeout_s=0.5,
+                                                   request_timeout_s=0.5)
+    standin.hang("/collective_rpc", 1.5)
+    started = time.monotonic()
+    outcome = adapter.apply(1)
+    assert time.monotonic() - started < 5.0  # the reload and the restore each give up after 0.5 s
+    assert not outcome.ok and "no answer in time" in outcome.detail
+    assert adapter.current()[0] in (0, None) and adapter.current()[0] != 1
+
+
+# --- corrupt objects ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["lora", "full"])
+def test_corrupt_registry_object_never_reaches_vllm(sessions, tmp_path: Path, standin: VllmStandIn, rng,
+                                                    mode: str) -> None:
+    store = FolderStore(tmp_path / "store")
+    registry = Registry(sessions, store, f"corrupt-{mode}")
+    first = lora_state(rng) if mode == "lora" else full_state(rng)
+    info = registry.publish(first, parent=None)
+    path = tmp_path / "store" / info.store_key
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0x01  # one bit in the last tensor's bytes
+    path.write_bytes(bytes(data))
+
+    kwargs = {"lora_config": LORA_CONFIG} if mode == "lora" else {}
+    adapter = VllmAdapter(standin.url, registry, tmp_path / "work", mode=mode, **kwargs)
+    outcome = adapter.apply(info.version)
+    assert not outcome.ok and "WeightsError" in outcome.detail
+    assert standin.calls == [] and adapter.current() == (None, "")
+    assert not (tmp_path / "work").exists() or not any((tmp_path / "work").rglob("*.safetensors"))
+
+    # swap() re-hashes what it is handed: weights that do not match the hash never leave.
+    with pytest.raises(ValueError, match="do not match"):
+        adapter.swap(info.version, step(rng, first, 0.5), info.sha256)
+    assert standin.calls == []
+
+
+def _settings():
+    from flywheel.settings import Settings
+
+    return Settings()
