@@ -4,6 +4,7 @@ Redis down it still follows at its poll."""
 
 from __future__ import annotations
 
+import random
 import time
 import uuid
 from collections.abc import Iterator
@@ -21,22 +22,9 @@ from flywheel.weights.store import FolderStore
 from serving.node.main import bootstrap_version
 from serving.node.updater import Updater, version_channel
 from tests.fixtures.roles import wait_until
+from tests.integration.test_registry import train_step
 
 pytestmark = pytest.mark.integration
-
-
-def _step(state: dict, seed: int) -> dict:
-    import torch
-
-    g = torch.Generator().manual_seed(seed)
-    out = {}
-    for name, t in state.items():
-        if t.dtype == torch.bfloat16:
-            bits = t.clone().view(torch.int16)
-            out[name] = torch.where(torch.rand(bits.shape, generator=g) < 0.02, bits + 1, bits).view(torch.bfloat16)
-        else:
-            out[name] = t.clone()
-    return out
 
 
 @contextmanager
@@ -81,7 +69,7 @@ def test_a_promotion_reaches_a_slow_polling_node_at_once(kind: str, tiny_model_d
             publisher = Registry(sessions, store, settings.model.line,
                                  announce=lambda info: live.notify(version_channel(info.model_line)))
             state0 = engine.state()
-            v1 = publisher.publish(_step(state0, 1), parent=0, parent_state=state0)
+            v1 = publisher.publish(train_step(random.Random(1), state0, 0.02), parent=0, parent_state=state0)
             promoted = time.perf_counter()
             publisher.set_status(v1.version, "stable", reason="test")
             wait_until("the node on v1", lambda: engine.current()[0] == v1.version, timeout_s=10, every_s=0.01)
@@ -98,7 +86,7 @@ def test_with_redis_down_the_node_still_follows_at_its_poll(tiny_model_dir: Path
         try:
             registry = Registry(sessions, store, settings.model.line)
             state0 = engine.state()
-            v1 = registry.publish(_step(state0, 2), parent=0, parent_state=state0)
+            v1 = registry.publish(train_step(random.Random(2), state0, 0.02), parent=0, parent_state=state0)
             registry.set_status(v1.version, "stable", reason="test")
             wait_until("the node on v1", lambda: engine.current()[0] == v1.version, timeout_s=10)
         finally:

@@ -18,6 +18,7 @@ from flywheel.weights.store import FolderStore
 from serving.node.updater import Updater
 from serving.node.vllm_adapter import VllmAdapter
 from tests.fixtures.vllm_standin import VllmStandIn
+from tests.integration.test_registry import train_step
 
 pytestmark = pytest.mark.integration
 
@@ -58,23 +59,10 @@ def full_state(rng: random.Random) -> dict[str, torch.Tensor]:
     }
 
 
-def step(rng: random.Random, state: dict[str, torch.Tensor], fraction: float = 0.03) -> dict[str, torch.Tensor]:
-    """A fake optimizer step: a few percent of the bf16 weights move by one ULP."""
-    g = torch.Generator().manual_seed(rng.getrandbits(63))
-    out = {}
-    for name, t in state.items():
-        if t.dtype == torch.bfloat16:
-            b = t.clone().view(torch.int16)
-            out[name] = torch.where(torch.rand(b.shape, generator=g) < fraction, b + 1, b).view(torch.bfloat16)
-        else:
-            out[name] = t.clone()
-    return out
-
-
 def publish_chain(registry: Registry, first: dict[str, torch.Tensor], n: int, rng: random.Random):
     states, infos = [first], [registry.publish(first, parent=None)]
     for v in range(1, n):
-        states.append(step(rng, states[-1]))
+        states.append(train_step(rng, states[-1]))
         infos.append(registry.publish(states[v], parent=v - 1, parent_state=states[v - 1]))
     return states, infos
 
@@ -122,7 +110,7 @@ def test_lora_versions_load_and_old_ones_unload(sessions, tmp_path: Path, standi
     assert adapter.apply(3).changed and adapter.current()[0] == 3
     assert len(standin.calls) == before
     # ... and the next version is rebuilt on top of it (its state is the base for the delta).
-    nxt = registry.publish(step(rng, states[3]), parent=3, parent_state=states[3])
+    nxt = registry.publish(train_step(rng, states[3]), parent=3, parent_state=states[3])
     assert adapter.apply(nxt.version).ok and adapter.current() == (nxt.version, nxt.sha256)
     assert sorted(standin.loras) == [f"lora-line-v{v}" for v in (3, nxt.version)]
 
@@ -309,7 +297,7 @@ def test_corrupt_registry_object_never_reaches_vllm(sessions, tmp_path: Path, st
 
     # swap() re-hashes what it is handed: weights that do not match the hash never leave.
     with pytest.raises(ValueError, match="do not match"):
-        adapter.swap(info.version, step(rng, first, 0.5), info.sha256)
+        adapter.swap(info.version, train_step(rng, first, 0.5), info.sha256)
     assert standin.calls == []
 
 
