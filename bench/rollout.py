@@ -8,7 +8,9 @@ publishes version 1 as a delta (a synthetic training step: ``--changed`` of the 
 by one ULP, as an RL step with small learning rates does) and promotes it to stable:
 
 - ``publish_to_all_nodes_s``: from the promotion until every node reports version 1 live in the
-  ``nodes`` table (the nodes learn of it by polling the registry every ``--poll`` seconds);
+  ``nodes`` table. With ``--live redis`` (the default when Redis answers on 127.0.0.1:6379) the
+  promotion wakes the nodes through Redis pub/sub; with ``--live memory`` they find it at their
+  next registry poll (every ``--poll`` seconds);
 - ``cross_region_bytes``: what the regions' caches pulled from the origin for version 1;
 - ``full_checkpoint_bytes``: what shipping version 1 as a full checkpoint to every node would move
   (``full_checkpoint_per_region_bytes``: to every region, with the same caches).
@@ -53,6 +55,15 @@ def synthetic_step(state: dict[str, torch.Tensor], changed: float, seed: int) ->
     return out
 
 
+def _redis_answers() -> bool:
+    import redis
+
+    try:
+        return bool(redis.Redis(socket_connect_timeout=1, socket_timeout=1).ping())
+    except redis.RedisError:
+        return False
+
+
 def free_port() -> int:
     import socket
 
@@ -61,7 +72,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def node_config(tmp: Path, i: int, region: str, model_dir: Path, poll_s: float) -> Path:
+def node_config(tmp: Path, i: int, region: str, model_dir: Path, poll_s: float, live: dict[str, str]) -> Path:
     path = tmp / f"node-{i}.json"
     path.write_text(json.dumps({
         "data_dir": str(tmp / f"node-{i}"),
@@ -69,6 +80,7 @@ def node_config(tmp: Path, i: int, region: str, model_dir: Path, poll_s: float) 
         "store": {"path": str(tmp / "origin"), "cache_path": str(tmp / f"cache-{region}")},
         "model": {"line": LINE, "path": str(model_dir)},
         "node": {"port": free_port(), "node_id": f"node-{i}", "region": region, "poll_s": poll_s},
+        "live": live,
         "log_level": "WARNING",
     }))
     return path
@@ -99,7 +111,9 @@ def wait_for(what: str, check: Any, timeout_s: float, procs: list[subprocess.Pop
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from flywheel.db.session import make_session_factory, make_engine, upgrade
+    from flywheel.db.session import make_engine, make_session_factory, upgrade
+    from flywheel.settings import load_settings
+    from serving.rollout import node_waker
     from flywheel.tinymodel.build import ensure_default_model
     from flywheel.weights.registry import Registry
     from flywheel.weights.store import FolderStore
@@ -111,12 +125,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         db_url = f"sqlite:///{tmp / 'fleet.db'}"
         upgrade(db_url)
         engine = make_engine(db_url)
-        registry = Registry(make_session_factory(engine), FolderStore(tmp / "origin"), LINE)
+        live = {"kind": args.live, "key_prefix": f"bench-rollout-{os.getpid()}:"}
+        waker = node_waker(load_settings(None, live=live, model={"line": LINE}))
+        registry = Registry(make_session_factory(engine), FolderStore(tmp / "origin"), LINE, announce=waker)
         procs: list[subprocess.Popen] = []
         logs = []
         try:
             for i in range(args.nodes):
-                config = node_config(tmp, i, regions[i % len(regions)], model_dir, args.poll)
+                config = node_config(tmp, i, regions[i % len(regions)], model_dir, args.poll, live)
                 log = open(tmp / f"node-{i}.log", "wb")
                 logs.append(log)
                 procs.append(subprocess.Popen([sys.executable, "-m", "flywheel.cli", "--config", str(config), "node"],
@@ -153,6 +169,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "nodes": args.nodes,
             "regions": args.regions,
             "poll_s": args.poll,
+            "live": args.live,
             "version": info.version,
             "kind": info.kind,
             "delta_bytes": info.bytes,
@@ -172,17 +189,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--regions", type=int, default=2)
     parser.add_argument("--changed", type=float, default=0.02, help="share of bf16 elements the new version moves")
     parser.add_argument("--poll", type=float, default=1.0, help="node.poll_s: how often nodes look at the registry")
+    parser.add_argument("--live", choices=["redis", "memory"], default=None,
+                        help="how nodes learn of a promotion: redis pub/sub, or memory (their poll only); "
+                             "default: redis when it answers on 127.0.0.1:6379")
     parser.add_argument("--timeout", type=float, default=180.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--model-cache", type=Path, default=ROOT / ".flywheel" / "models")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
+    if args.live is None:
+        args.live = "redis" if _redis_answers() else "memory"
     if args.nodes < args.regions or args.regions < 1:
         parser.error("need at least one node per region")
     result = run(args)
-    print(f"{'nodes':>5} {'regions':>7} {'changed':>8} {'publish -> all nodes':>21} {'cross-region bytes':>19} "
-          f"{'full to every node':>19} {'ratio':>7}")
-    print(f"{result['nodes']:>5} {result['regions']:>7} {100 * (result['fraction_changed'] or 0):>7.2f}% "
+    print(f"{'nodes':>5} {'regions':>7} {'live':>7} {'changed':>8} {'publish -> all nodes':>21} "
+          f"{'cross-region bytes':>19} {'full to every node':>19} {'ratio':>7}")
+    print(f"{result['nodes']:>5} {result['regions']:>7} {result['live']:>7} {100 * (result['fraction_changed'] or 0):>7.2f}% "
           f"{result['publish_to_all_nodes_s']:>19.2f} s {result['cross_region_bytes']:>19,} "
           f"{result['full_checkpoint_bytes']:>19,} {result['cross_region_bytes'] / result['full_checkpoint_bytes']:>7.4f}")
     if args.json:
