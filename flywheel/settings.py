@@ -140,6 +140,21 @@ class NodeSettings(_Section):
     url: str = ""
     max_body_bytes: int = Field(1_000_000, ge=1_024)
     seed: int = 0
+    #: builtin: this process serves with the built-in engine. vllm: a vLLM server at ``vllm_url``
+    #: serves (started with ``VLLM_SERVER_DEV_MODE=1`` from ``model.path``, served model name =
+    #: ``model.line``) and this process only keeps it on the registry's stable version, reloading
+    #: full weights in place (serving/node/vllm_adapter.py, docs/vllm.md).
+    engine: Literal["builtin", "vllm"] = "builtin"
+    vllm_url: str = ""
+    #: Where versions are written for vLLM to read (it must see the same path); empty:
+    #: ``{data_dir}/vllm``.
+    vllm_work_dir: str = ""
+
+    @model_validator(mode="after")
+    def _vllm_needs_a_url(self) -> "NodeSettings":
+        if self.engine == "vllm" and not self.vllm_url:
+            raise ValueError("node.engine = 'vllm' needs node.vllm_url")
+        return self
 
 
 class IngestSettings(_Section):

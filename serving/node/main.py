@@ -41,6 +41,9 @@ def bootstrap_version(engine, registry) -> None:  # type: ignore[no-untyped-def]
 
 def run(settings: Settings, stop: threading.Event | None = None) -> None:
     """Serve the node on ``settings.node.host:port`` until ``stop`` is set (or SIGINT/SIGTERM)."""
+    if settings.node.engine == "vllm":
+        run_vllm(settings, stop)
+        return
     from flywheel.db.session import make_session_factory, open_database
     from flywheel.live import make_live
     from flywheel.weights.registry import Registry
@@ -75,3 +78,55 @@ def run(settings: Settings, stop: threading.Event | None = None) -> None:
         app = create_app(engine, updater, settings)
         log.info("node %s serving %s v%s on %s", settings.node.node_id, settings.model.line, engine.version, url)
         serve(app, host=settings.node.host, port=settings.node.port, stop=stop, log_level=settings.log_level)
+
+
+def run_vllm(settings: Settings, stop: threading.Event | None = None) -> None:
+    """Keep the vLLM server at ``node.vllm_url`` on the registry's stable version until ``stop``.
+
+    vLLM serves the requests (the gateway reaches it at ``node.vllm_url``, from this node's
+    heartbeat); this process names the weights vLLM started from with their registry version
+    (publishing them as version 0 on an empty registry), then follows the registry through the
+    :class:`~serving.node.vllm_adapter.VllmAdapter` in full mode, exactly as the built-in node
+    follows it through its engine."""
+    from flywheel.db.session import make_session_factory, open_database
+    from flywheel.live import make_live
+    from flywheel.weights.codec import decode_full, state_sha256
+    from flywheel.weights.registry import Registry
+    from flywheel.weights.store import make_store
+    from serving.node.updater import Updater
+    from serving.node.vllm_adapter import VllmAdapter
+
+    stop = stop or threading.Event()
+    with contextlib.ExitStack() as cleanup:
+        db = open_database(settings.database_url, settings.db.wait_s)
+        cleanup.callback(db.dispose)
+        sessions = make_session_factory(db)
+        registry = Registry(sessions, make_store(settings), settings.model.line, full_every=settings.trainer.full_every)
+        live = make_live(settings)
+        cleanup.callback(live.close)
+
+        base_path = model_dir(settings)
+        base_state: dict = {}
+        for shard in sorted(base_path.glob("*.safetensors")):
+            base_state.update(decode_full(shard.read_bytes()))
+        if not base_state:
+            raise RuntimeError(f"no *.safetensors weights in {base_path} (the folder vLLM was started from)")
+        if registry.latest() is None:
+            registry.ensure_base(base_state, reason="vllm node bootstrap: base model")
+        sha = state_sha256(base_state)
+        base = next((info for info in registry.versions() if info.sha256 == sha), None)
+        if base is None:
+            raise RuntimeError(f"the weights in {base_path} are no registered version of {settings.model.line}")
+        work_dir = settings.node.vllm_work_dir or str(settings.data_path / "vllm")
+        adapter = VllmAdapter(settings.node.vllm_url, registry, work_dir, mode="full",
+                              served_model_name=settings.model.line, base_version=base.version,
+                              base_state=base_state, base_path=base_path)
+        cleanup.callback(adapter.close)
+        updater = Updater(adapter, registry, settings, session_factory=sessions, live=live,
+                          url=settings.node.vllm_url)
+        updater.check_once()
+        updater.start()
+        cleanup.callback(updater.stop)
+        log.info("node %s keeps vLLM at %s on %s (v%s)", settings.node.node_id, settings.node.vllm_url,
+                 settings.model.line, adapter.current()[0])
+        stop.wait()
