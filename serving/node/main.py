@@ -14,6 +14,7 @@ import contextlib
 import logging
 import threading
 from pathlib import Path
+from typing import Any
 
 from flywheel.settings import Settings
 
@@ -39,15 +40,27 @@ def bootstrap_version(engine, registry) -> None:  # type: ignore[no-untyped-def]
             return
 
 
+def _open(settings: Settings, cleanup: contextlib.ExitStack) -> tuple[Any, Any, Any]:
+    """The database's session factory, the line's registry and the live state, closed by ``cleanup``."""
+    from flywheel.db.session import make_session_factory, open_database
+    from flywheel.live import make_live
+    from flywheel.weights.registry import Registry
+    from flywheel.weights.store import make_store
+
+    db = open_database(settings.database_url, settings.db.wait_s)
+    cleanup.callback(db.dispose)
+    sessions = make_session_factory(db)
+    registry = Registry(sessions, make_store(settings), settings.model.line, full_every=settings.trainer.full_every)
+    live = make_live(settings)
+    cleanup.callback(live.close)
+    return sessions, registry, live
+
+
 def run(settings: Settings, stop: threading.Event | None = None) -> None:
     """Serve the node on ``settings.node.host:port`` until ``stop`` is set (or SIGINT/SIGTERM)."""
     if settings.node.engine == "vllm":
         run_vllm(settings, stop)
         return
-    from flywheel.db.session import make_session_factory, open_database
-    from flywheel.live import make_live
-    from flywheel.weights.registry import Registry
-    from flywheel.weights.store import make_store
     from serving.node.app import create_app
     from serving.node.engine import Engine
     from serving.node.updater import Updater, node_url
@@ -57,12 +70,7 @@ def run(settings: Settings, stop: threading.Event | None = None) -> None:
 
     torch.set_num_threads(settings.torch_threads)
     with contextlib.ExitStack() as cleanup:
-        db = open_database(settings.database_url, settings.db.wait_s)
-        cleanup.callback(db.dispose)
-        sessions = make_session_factory(db)
-        registry = Registry(sessions, make_store(settings), settings.model.line, full_every=settings.trainer.full_every)
-        live = make_live(settings)
-        cleanup.callback(live.close)
+        sessions, registry, live = _open(settings, cleanup)
 
         engine = Engine(model_dir(settings), settings)
         cleanup.callback(engine.close)
@@ -88,22 +96,13 @@ def run_vllm(settings: Settings, stop: threading.Event | None = None) -> None:
     (publishing them as version 0 on an empty registry), then follows the registry through the
     :class:`~serving.node.vllm_adapter.VllmAdapter` in full mode, exactly as the built-in node
     follows it through its engine."""
-    from flywheel.db.session import make_session_factory, open_database
-    from flywheel.live import make_live
     from flywheel.weights.codec import decode_full, state_sha256
-    from flywheel.weights.registry import Registry
-    from flywheel.weights.store import make_store
     from serving.node.updater import Updater
     from serving.node.vllm_adapter import VllmAdapter
 
     stop = stop or threading.Event()
     with contextlib.ExitStack() as cleanup:
-        db = open_database(settings.database_url, settings.db.wait_s)
-        cleanup.callback(db.dispose)
-        sessions = make_session_factory(db)
-        registry = Registry(sessions, make_store(settings), settings.model.line, full_every=settings.trainer.full_every)
-        live = make_live(settings)
-        cleanup.callback(live.close)
+        sessions, registry, live = _open(settings, cleanup)
 
         base_path = model_dir(settings)
         base_state: dict = {}

@@ -19,13 +19,6 @@ pytestmark = pytest.mark.integration
 
 
 @pytest.fixture
-def rng() -> random.Random:
-    seed = random.SystemRandom().getrandbits(32)
-    print(f"registry test seed: {seed}")
-    return random.Random(seed)
-
-
-@pytest.fixture
 def store(tmp_path: Path) -> FolderStore:
     return FolderStore(tmp_path / "store")
 

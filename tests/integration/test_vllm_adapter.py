@@ -26,13 +26,6 @@ LORA_CONFIG = {"lora_alpha": 16, "target_modules": ["q_proj", "v_proj"], "base_m
 
 
 @pytest.fixture
-def rng() -> random.Random:
-    seed = random.SystemRandom().getrandbits(32)
-    print(f"vllm adapter test seed: {seed}")
-    return random.Random(seed)
-
-
-@pytest.fixture
 def standin():
     with VllmStandIn() as server:
         yield server
