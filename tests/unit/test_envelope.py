@@ -114,7 +114,8 @@ def test_retain_forgets_partitions_no_longer_owned() -> None:
 def test_broken_envelopes_raise() -> None:
     parts = encode(os.urandom(2_000_000), {"event_id": "x"}, LIMIT)
     tampered = [(v, h) for v, h in parts]
-    tampered[-1] = (tampered[-1][0][:-1] + b"\x00", tampered[-1][1])
+    last = tampered[-1][0]
+    tampered[-1] = (last[:-1] + bytes([last[-1] ^ 0xFF]), tampered[-1][1])  # always a different byte
     with pytest.raises(EnvelopeError, match="digest"):
         _whole(Reassembler(), _records(tampered))
     with pytest.raises(EnvelopeError, match="chunk"):
