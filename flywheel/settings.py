@@ -149,6 +149,9 @@ class NodeSettings(_Section):
     #: Where versions are written for vLLM to read (it must see the same path); empty:
     #: ``{data_dir}/vllm``.
     vllm_work_dir: str = ""
+    #: Extra seconds each built-in generation takes before it is returned (0: none). Benchmarks set
+    #: it to stand in for a production model's serving time without spending CPU on it.
+    simulated_latency_s: float = Field(0.0, ge=0, le=60)
 
     @model_validator(mode="after")
     def _vllm_needs_a_url(self) -> "NodeSettings":
@@ -197,6 +200,10 @@ class RewardSettings(_Section):
 
 
 class TrainerSettings(_Section):
+    #: async: train on whatever arrives within ``max_staleness`` versions (the product setting).
+    #: sync: train only on samples served by the version being trained (on-policy), waiting for
+    #: them after each publish; for comparison (bench/trainer.py).
+    mode: Literal["async", "sync"] = "async"
     #: With Adam, lr x steps_per_version sets the share of bf16 elements a version changes
     #: (bench/learnability.py: 2e-5 x 2 steps changes ~18%, a delta of ~9% of the full checkpoint;
     #: one step per version halves that).
@@ -204,10 +211,26 @@ class TrainerSettings(_Section):
     #: Linear learning-rate warm-up over this many optimizer steps from a start without a checkpoint
     #: (a restart from a checkpoint resumes the schedule).
     warmup_steps: int = Field(10, ge=1)
-    #: Trajectories per optimizer step.
+    #: Trajectories per optimizer step (at most; see ``batch_tokens``).
     batch_size: int = Field(32, ge=1)
+    #: Token budget of an optimizer step (0: none): a step takes the oldest samples up to
+    #: ``batch_size`` of them and up to this many tokens, and starts once either is buffered.
+    batch_tokens: int = Field(0, ge=0)
+    #: Padded tokens (rows x longest row) per forward/backward pass: a step larger than this is
+    #: split into micro-batches whose gradients accumulate (same result as one pass, less memory).
+    micro_batch_tokens: int = Field(8192, ge=1)
     #: Optimizer steps between published versions.
     steps_per_version: int = Field(1, ge=1)
+    #: Also publish once this many seconds passed since the last version, if a step was taken
+    #: since (0: by ``steps_per_version`` only).
+    publish_every_s: float = Field(0.0, ge=0)
+    #: Weight of the KL(policy || reference) penalty, the reference being the frozen model the
+    #: line started from (``model.path``); 0: no reference is loaded.
+    kl_coef: float = Field(0.0, ge=0)
+    #: LoRA rank (peft); 0 trains every parameter. Versions are the merged weights (trainer/policy.py).
+    lora_rank: int = Field(0, ge=0)
+    lora_alpha: float = Field(16.0, gt=0)
+    lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
     #: Samples whose behaviour version is more than this many versions old are dropped.
     max_staleness: int = Field(4, ge=0)
     clip_eps: float = Field(0.2, gt=0)

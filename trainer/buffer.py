@@ -53,6 +53,11 @@ def behaviour_version(sample: ScoredTrajectory) -> int | None:
     return min(versions) if versions else None
 
 
+def sample_tokens(sample: ScoredTrajectory) -> int:
+    """Tokens of ``sample`` (prompts and completions of every segment): its cost in a batch."""
+    return sum(len(segment.tokens) for segment in sample.segments)
+
+
 @dataclass(frozen=True)
 class Entry:
     sample: ScoredTrajectory
@@ -133,12 +138,23 @@ class SampleBuffer:
         out, self._superseded = stale + self._superseded, []
         return out
 
-    def take(self, n: int) -> list[Entry]:
-        """The ``n`` oldest samples, or nothing while fewer are buffered (call :meth:`purge_stale` first)."""
-        if len(self._entries) - len(self._superseded) < n or self._superseded:
+    def take(self, n: int, max_tokens: int = 0) -> list[Entry]:
+        """The oldest samples, up to ``n`` of them and, when ``max_tokens`` > 0, up to that many
+        tokens (at least one sample): ready once ``n`` samples or ``max_tokens`` tokens are buffered;
+        nothing before that (call :meth:`purge_stale` first)."""
+        if self._superseded or not self._entries:
             return []
-        self.taken += n
-        batch = [self._entries.popleft() for _ in range(n)]
+        count, tokens = 0, 0
+        for entry in self._entries:
+            size = sample_tokens(entry.sample)
+            if count == n or (max_tokens and count and tokens + size > max_tokens):
+                break
+            count, tokens = count + 1, tokens + size
+        else:
+            if count < n and not (max_tokens and tokens >= max_tokens):
+                return []  # everything buffered fits: wait for more
+        self.taken += count
+        batch = [self._entries.popleft() for _ in range(count)]
         for entry in batch:
             del self._queued[entry.sample.trajectory_id]
             self._remember(self._trained, entry.sample.trajectory_id)

@@ -10,7 +10,13 @@ the importance ratio between the policy being trained and the version that serve
     surrogate = min(r * A, clip(r, 1 - eps, 1 + eps) * A)           # PPO-clip, against behaviour
     gradient  = min(r, cap) * A * grad(logp_new)  where the min picks the unclipped branch,
                 0                                  where it picks the clipped branch
-    loss      = -sum(mask * surrogate) / sum(mask)                     # token mean
+    loss      = -sum(mask * surrogate) / N  +  kl_coef * sum(mask * k3) / N
+
+``N`` is the number of trainable tokens of the whole optimizer step (``normalizer``): a step split
+into micro-batches (gradient accumulation) or across ranks sums to exactly the loss and gradient of
+the step computed at once. ``k3 = exp(logp_ref - logp_new) - (logp_ref - logp_new) - 1`` is the
+non-negative, unbiased-in-expectation estimator of KL(policy || reference) per sampled token
+(:func:`kl_k3`), the optional pull towards a frozen reference model.
 
 i.e. PPO-clip whose importance weight is truncated at ``cap`` (truncated importance sampling,
 the weight detached). Without the truncation, a negative-advantage token whose ratio has grown far
@@ -105,6 +111,15 @@ class LossOutput:
     mean_abs_log_ratio: float
     #: Number of trainable tokens.
     tokens: int
+    #: Mean ``k3`` KL estimate against the reference over trainable tokens (0.0 without one).
+    kl: float = 0.0
+
+
+def kl_k3(logp_new: torch.Tensor, logp_ref: torch.Tensor) -> torch.Tensor:
+    """Per-token ``k3`` estimate of KL(policy || reference) at the sampled tokens: ``exp(d) - d - 1``
+    with ``d = logp_ref - logp_new``; >= 0, 0 where the two agree, gradient towards the reference."""
+    d = logp_ref - logp_new
+    return torch.exp(d) - d - 1.0
 
 
 def policy_loss(
@@ -114,9 +129,14 @@ def policy_loss(
     mask: torch.Tensor,
     clip_eps: float,
     is_cap: float,
+    *,
+    normalizer: float | None = None,
+    logp_ref: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
 ) -> LossOutput:
-    """Clipped, truncated-IS policy-gradient loss (module docstring). All inputs ``[B, T]``;
-    only ``logp_new`` needs a gradient. A batch without trainable tokens gives a zero loss."""
+    """Clipped, truncated-IS policy-gradient loss, plus ``kl_coef`` x KL to ``logp_ref`` when given
+    (module docstring). All inputs ``[B, T]``; only ``logp_new`` needs a gradient. ``normalizer``:
+    the step's trainable token count (default: this batch's). No trainable tokens: a zero loss."""
     if not (logp_new.shape == logp_behaviour.shape == advantages.shape == mask.shape):
         raise ValueError(
             f"shape mismatch: {tuple(logp_new.shape)} {tuple(logp_behaviour.shape)} "
@@ -139,7 +159,15 @@ def policy_loss(
     # Value: weight * A; gradient: weight * A * grad(logp_new) (exp(x - x.detach()) is 1 with grad 1).
     unclipped_term = weight * torch.exp(logp_new - logp_new.detach()) * advantages
     surrogate = torch.where(clipped, clipped_ratio * advantages, unclipped_term)
-    loss = -(surrogate * mask).sum() / mask.sum().clamp(min=1.0)
+    denominator = mask.sum().clamp(min=1.0) if normalizer is None else max(float(normalizer), 1.0)
+    loss = -(surrogate * mask).sum() / denominator
+    kl_mean = 0.0
+    if logp_ref is not None and kl_coef > 0:
+        if logp_ref.shape != logp_new.shape:
+            raise ValueError(f"shape mismatch: reference {tuple(logp_ref.shape)}, policy {tuple(logp_new.shape)}")
+        kl = kl_k3(logp_new, torch.where(on, logp_ref.to(logp_new.dtype), zero)) * mask
+        loss = loss + kl_coef * kl.sum() / denominator
+        kl_mean = float(kl.detach().sum().item()) / max(int(on.sum().item()), 1)
     with torch.no_grad():
         count = int(on.sum().item())
         safe = max(count, 1)
@@ -154,4 +182,5 @@ def policy_loss(
         mean_ratio=mean_ratio,
         mean_abs_log_ratio=mean_abs,
         tokens=count,
+        kl=kl_mean,
     )

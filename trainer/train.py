@@ -1,8 +1,18 @@
 """The trainer recipe: scored trajectories in, published model versions out, continuously.
 
 ``train(settings, stop)`` reads top to bottom: setup (resume from the newest checkpoint) ->
-loop (consume -> buffer -> step) -> every ``trainer.steps_per_version`` steps: checkpoint ->
-publish -> commit offsets -> cleanup.
+loop (consume -> buffer -> step) -> every ``trainer.steps_per_version`` steps, or once
+``trainer.publish_every_s`` passed since the last version: checkpoint -> publish -> commit
+offsets -> cleanup.
+
+- Modes: ``async`` (the product setting) trains on whatever arrives within ``max_staleness``
+  versions; ``sync`` (for comparison, bench/trainer.py) only on samples served by the version being
+  trained, so after each publish it waits for the fleet to serve the new version and for that
+  traffic to be scored. Full-parameter or LoRA (trainer/policy.py: versions are merged weights).
+- A step takes the oldest ``batch_size`` samples (or fewer, within ``batch_tokens``), runs them in
+  micro-batches of at most ``micro_batch_tokens`` padded tokens and accumulates their gradients;
+  the loss is a token mean over the whole step, so the split never changes the result. An optional
+  KL term (``kl_coef``) pulls towards the frozen model the line started from.
 
 - Durability (``trainer.checkpoint``, whose docstring walks through every crash window): the
   checkpoint written before each publish holds the fp32 master, Adam moments, LR schedule, step,
@@ -26,8 +36,10 @@ publish -> commit offsets -> cleanup.
   (``trainer.loss.turn_values``).
 - Offsets are committed only when a version is published (after its checkpoint), and only the
   prefix of records that are done, so a crash never skips a buffered sample.
-- Parity (reported with each version): mean ``|logp_train - logp_served|`` over trainable tokens of
-  samples served by the version being trained, measured on the first step after that version was
+- Metrics of each version: the step means of the loss terms, the buffer's counters (drops by
+  reason), ``staleness`` (trained samples by versions behind), and parity: mean, p99 and max of
+  ``|logp_train - logp_served|`` over trainable tokens of samples served by the version being
+  trained (a rollout gate: serving/rollout.py), measured on the first step after that version was
   loaded or published, where the fp32 master still equals it (up to bf16 rounding, itself part of
   the train/inference mismatch this measures); later steps have moved the master away.
 - Position ``t`` of ``logp_new`` is ``log p(token t | tokens < t)`` at temperature 1, which is what
@@ -40,6 +52,8 @@ from __future__ import annotations
 import logging
 import secrets
 import threading
+import time
+from collections import Counter
 from pathlib import Path
 from statistics import fmean
 from typing import Any
@@ -51,13 +65,14 @@ from flywheel.db.session import make_session_factory, open_database
 from flywheel.events import ScoredTrajectory
 from flywheel.settings import Settings, TrainerSettings
 from flywheel.tinymodel.build import ensure_default_model
-from flywheel.tinymodel.sampling import export_state, load_model, load_state
+from flywheel.tinymodel.sampling import load_model
 from flywheel.weights.codec import state_sha256
 from flywheel.weights.registry import Registry, State, VersionInfo
 from flywheel.weights.store import make_store
 from trainer import checkpoint
 from trainer.buffer import OffsetTracker, SampleBuffer, behaviour_version, collate
 from trainer.loss import policy_loss, turn_values
+from trainer.policy import Policy
 
 log = logging.getLogger("flywheel.trainer")
 
@@ -78,7 +93,9 @@ def train(settings: Settings, stop: threading.Event | None = None) -> None:
     torch.manual_seed(cfg.seed)
     model_path = Path(settings.model.path) if settings.model.path else ensure_default_model(settings.data_path / "models")
     model, _tokenizer = load_model(model_path)  # fp32 master; eval: no dropout, the function the engine served
+    reference = load_model(model_path)[0].requires_grad_(False) if cfg.kl_coef > 0 else None
     vocab_size = model.get_input_embeddings().num_embeddings
+    policy = Policy(model, cfg)
     ckpt_dir = checkpoint.checkpoint_dir(settings)
     resumed = checkpoint.load_latest(ckpt_dir, settings.model.line)
     if resumed is None:
@@ -91,17 +108,16 @@ def train(settings: Settings, stop: threading.Event | None = None) -> None:
             latest = registry.latest()
         current, step = latest.version, latest.train_step or 0
         published = registry.load(current)  # the bf16 weights of the version being trained
-        load_state(model, published)
+        policy.load_published(published)
     else:
-        load_state(model, resumed.model)
+        policy.load_master(resumed.model)
         step = resumed.step
-    for p in model.parameters():
-        p.requires_grad_(True)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    optimizer = torch.optim.AdamW(policy.trainable(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     # Adam's first steps move every weight by a full lr (its moment estimates are fresh), which
     # would flip most bf16 elements at once; a linear warm-up keeps the first deltas small too.
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: min(1.0, (i + 1) / cfg.warmup_steps))
-    buffer = SampleBuffer(cfg.max_staleness)
+    # Sync mode trains on-policy only: anything not served by the version being trained is stale.
+    buffer = SampleBuffer(0 if cfg.mode == "sync" else cfg.max_staleness)
     offsets = OffsetTracker()
     if resumed is not None:
         optimizer.load_state_dict(resumed.optimizer)
@@ -110,19 +126,42 @@ def train(settings: Settings, stop: threading.Event | None = None) -> None:
         offsets.load_state_dict(resumed.offsets)
         info = checkpoint.find_published(registry, resumed)
         if info is None:  # the crash came between checkpoint and publish: publish it now
-            info = publish(registry, model, resumed, registry.load(resumed.parent))
-        elif info.sha256 != state_sha256(export_state(model)):
+            info = publish(registry, policy, resumed, registry.load(resumed.parent))
+        elif info.sha256 != state_sha256(policy.export()):
             raise checkpoint.CheckpointError(f"v{info.version} carries the checkpoint's token but not its weights")
-        current, published = info.version, export_state(model)
+        current, published = info.version, policy.export()
         log.info("resumed from checkpoint at step %d as v%d (%d samples buffered)", step, current, len(buffer))
-    window: list[dict[str, float]] = []  # per-step metrics since the last published version
+    window: list[dict[str, Any]] = []  # per-step metrics since the last published version
     trained_ids: list[str] = []  # trajectories trained since the last published version
+    last_publish = time.monotonic()
 
     bus = make_bus(settings)
     topic = settings.topic("scored")
     bus.ensure_topics([topic])
     consumer = bus.consumer(settings.group("trainer"), [topic])
-    log.info("training %s from v%d (step %d), lr=%g, batch %d", settings.model.line, current, step, cfg.lr, cfg.batch_size)
+    log.info("training %s (%s, %s) from v%d (step %d), lr=%g, batch %d",
+             settings.model.line, cfg.mode, f"LoRA r={cfg.lora_rank}" if policy.lora else "full", current, step,
+             cfg.lr, cfg.batch_size)
+
+    def publish_point() -> None:
+        """Checkpoint -> publish -> commit (crash windows: trainer.checkpoint)."""
+        nonlocal current, published, window, trained_ids, last_publish
+        done = offsets.committable()
+        ckpt = checkpoint.Checkpoint(
+            model_line=settings.model.line, step=step, parent=current,
+            parent_sha256=registry.get(current).sha256, publish_token=secrets.token_hex(16),
+            metrics={**summarise(window, buffer.counters()), "trajectory_ids": trained_ids},
+            model=policy.master_state(), optimizer=optimizer.state_dict(), scheduler=scheduler.state_dict(),
+            buffer=buffer.state_dict(), offsets=offsets.state_dict(),
+        )
+        checkpoint.save(ckpt_dir, ckpt, keep=cfg.keep_checkpoints)
+        info = publish(registry, policy, ckpt, published)
+        current, published, window, trained_ids = info.version, policy.export(), [], []
+        last_publish = time.monotonic()
+        if done:
+            consumer.commit(done)
+        for entry in buffer.purge_stale(current):
+            offsets.done(entry.record)
 
     # --- loop ------------------------------------------------------------------------------------
     try:
@@ -145,32 +184,19 @@ def train(settings: Settings, stop: threading.Event | None = None) -> None:
             for entry in buffer.purge_stale(current):
                 offsets.done(entry.record)
 
-            while not stop.is_set() and (batch := buffer.take(cfg.batch_size)):
+            while not stop.is_set() and (batch := buffer.take(cfg.batch_size, cfg.batch_tokens)):
                 samples = [e.sample for e in batch]
-                window.append(train_step(model, optimizer, samples, current, cfg, measure_parity=not window))
+                window.append(train_step(policy.model, optimizer, samples, current, cfg,
+                                         reference=reference, measure_parity=not window))
                 scheduler.step()
                 step += 1
                 trained_ids += [s.trajectory_id for s in samples]
                 for entry in batch:
                     offsets.done(entry.record)
-                if step % cfg.steps_per_version:
-                    continue
-                # --- checkpoint -> publish -> commit (crash windows: trainer.checkpoint) ---------
-                done = offsets.committable()
-                ckpt = checkpoint.Checkpoint(
-                    model_line=settings.model.line, step=step, parent=current,
-                    parent_sha256=registry.get(current).sha256, publish_token=secrets.token_hex(16),
-                    metrics={**summarise(window, buffer.counters()), "trajectory_ids": trained_ids},
-                    model=master_state(model), optimizer=optimizer.state_dict(), scheduler=scheduler.state_dict(),
-                    buffer=buffer.state_dict(), offsets=offsets.state_dict(),
-                )
-                checkpoint.save(ckpt_dir, ckpt, keep=cfg.keep_checkpoints)
-                info = publish(registry, model, ckpt, published)
-                current, published, window, trained_ids = info.version, export_state(model), [], []
-                if done:
-                    consumer.commit(done)
-                for entry in buffer.purge_stale(current):
-                    offsets.done(entry.record)
+                if step % cfg.steps_per_version == 0:
+                    publish_point()
+            if window and cfg.publish_every_s > 0 and time.monotonic() - last_publish >= cfg.publish_every_s:
+                publish_point()
     finally:
         # --- cleanup -----------------------------------------------------------------------------
         log.info("trainer stopping at step %d, v%d: %s", step, current, buffer.counters())
@@ -179,15 +205,10 @@ def train(settings: Settings, stop: threading.Event | None = None) -> None:
         engine.dispose()
 
 
-def master_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """fp32 CPU copies of the model's parameters (tied weights once), for the checkpoint."""
-    return {name: p.detach().to("cpu", copy=True) for name, p in model.named_parameters()}
-
-
-def publish(registry: Registry, model: torch.nn.Module, ckpt: checkpoint.Checkpoint, parent_state: State) -> VersionInfo:
-    """Publish the model's bf16 export as the version made from ``ckpt`` (its metrics carry the token)."""
+def publish(registry: Registry, policy: Policy, ckpt: checkpoint.Checkpoint, parent_state: State) -> VersionInfo:
+    """Publish the policy's bf16 export as the version made from ``ckpt`` (its metrics carry the token)."""
     info = registry.publish(
-        export_state(model), parent=ckpt.parent, parent_state=parent_state, train_step=ckpt.step,
+        policy.export(), parent=ckpt.parent, parent_state=parent_state, train_step=ckpt.step,
         metrics={**ckpt.metrics, "publish_token": ckpt.publish_token},
     )
     log.info(
@@ -208,6 +229,30 @@ def untrainable(sample: ScoredTrajectory, model_line: str, vocab_size: int) -> s
     return None
 
 
+def micro_batches(samples: list[ScoredTrajectory], budget: int) -> list[list[int]]:
+    """Consecutive groups of sample indices whose padded size (rows x longest row) stays within
+    ``budget`` tokens; a sample larger than the budget goes alone."""
+    groups: list[list[int]] = []
+    rows = longest = 0
+    for i, sample in enumerate(samples):
+        segments = [len(s.tokens) for s in sample.segments if s.tokens]
+        n, top = len(segments), max(segments, default=0)
+        if groups and (rows + n) * max(longest, top) <= budget:
+            groups[-1].append(i)
+            rows, longest = rows + n, max(longest, top)
+        else:
+            groups.append([i])
+            rows, longest = n, top
+    return groups
+
+
+def token_logprobs(model: torch.nn.Module, tokens: torch.Tensor, attention: torch.Tensor) -> torch.Tensor:
+    """``[B, T]``: position ``t`` is ``log p(tokens[:, t] | tokens[:, :t])``; position 0 (no context) is 0."""
+    logits = model(input_ids=tokens, attention_mask=attention).logits.float()  # [B, T, V]
+    picked = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, tokens[:, 1:, None]).squeeze(-1)
+    return torch.cat([torch.zeros_like(picked[:, :1]), picked], dim=1)
+
+
 def train_step(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -215,53 +260,74 @@ def train_step(
     current_version: int,
     cfg: TrainerSettings,
     *,
+    reference: torch.nn.Module | None = None,
     measure_parity: bool = False,
-) -> dict[str, float]:
-    """One optimizer step on ``samples``; returns its metrics (``parity`` when asked and measurable)."""
+) -> dict[str, Any]:
+    """One optimizer step on ``samples`` (micro-batched by ``cfg.micro_batch_tokens``, gradients
+    accumulated, the loss a token mean over the whole step); returns its metrics: loss terms,
+    ``staleness`` (samples by versions behind ``current_version``) and, when asked and measurable,
+    ``parity``/``parity_p99``/``parity_max`` over the on-policy trainable tokens."""
     values = turn_values(samples)
     # collate() credits each turn ``turn_rewards[i] - baseline``: hand it the advantages that way.
-    batch = collate([s.model_copy(update={"turn_rewards": v}) for s, (v, _) in zip(samples, values)],
-                    [baseline for _, baseline in values])
-    logits = model(input_ids=batch.tokens, attention_mask=batch.attention).logits.float()  # [B, T, V]
-    # logp_new[:, t] = log p(tokens[:, t] | tokens[:, :t]); position 0 has no context (never trainable).
-    picked = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, batch.tokens[:, 1:, None]).squeeze(-1)
-    logp_new = torch.cat([torch.zeros_like(picked[:, :1]), picked], dim=1)  # [B, T]
-    out = policy_loss(logp_new, batch.logp_behaviour, batch.advantages, batch.mask, cfg.clip_eps, cfg.is_truncation)
+    adjusted = [s.model_copy(update={"turn_rewards": v}) for s, (v, _) in zip(samples, values)]
+    baselines = [baseline for _, baseline in values]
+    groups = micro_batches(adjusted, cfg.micro_batch_tokens)
+    batches = [(idx, collate([adjusted[i] for i in idx], [baselines[i] for i in idx])) for idx in groups]
+    step_tokens = float(sum(b.mask.sum() for _, b in batches))
+
     optimizer.zero_grad(set_to_none=True)
-    out.loss.backward()
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM))
+    sums = {"loss": 0.0, "clip_frac": 0.0, "trunc_frac": 0.0, "mean_ratio": 0.0, "mean_abs_log_ratio": 0.0, "kl": 0.0}
+    tokens = 0
+    parity: list[torch.Tensor] = []
+    for idx, batch in batches:
+        logp_new = token_logprobs(model, batch.tokens, batch.attention)
+        logp_ref = None
+        if reference is not None and cfg.kl_coef > 0:
+            with torch.no_grad():
+                logp_ref = token_logprobs(reference, batch.tokens, batch.attention)
+        out = policy_loss(logp_new, batch.logp_behaviour, batch.advantages, batch.mask, cfg.clip_eps,
+                          cfg.is_truncation, normalizer=step_tokens, logp_ref=logp_ref, kl_coef=cfg.kl_coef)
+        out.loss.backward()
+        sums["loss"] += float(out.loss.detach())
+        for key in ("clip_frac", "trunc_frac", "mean_ratio", "mean_abs_log_ratio", "kl"):
+            sums[key] += getattr(out, key) * out.tokens
+        tokens += out.tokens
+        if measure_parity:
+            on_policy = torch.tensor([behaviour_version(adjusted[idx[i]]) == current_version
+                                      for i in batch.row_sample.tolist()])
+            keep = (batch.mask > 0) & on_policy[:, None]
+            parity.append((logp_new.detach() - batch.logp_behaviour)[keep].abs())
+    grad_norm = float(torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], MAX_GRAD_NORM))
     optimizer.step()
 
-    metrics = {
-        "loss": float(out.loss.detach()),
-        "mean_reward": fmean(s.total_reward for s in samples),
-        "clip_frac": out.clip_frac,
-        "trunc_frac": out.trunc_frac,
-        "mean_ratio": out.mean_ratio,
-        "grad_norm": grad_norm,
-        "mean_abs_log_ratio": out.mean_abs_log_ratio,
-        "tokens": float(out.tokens),
-        "samples": float(len(samples)),
-    }
-    if not measure_parity:
-        return metrics
-    on_policy = torch.tensor([behaviour_version(samples[i]) == current_version for i in batch.row_sample.tolist()])
-    parity_mask = batch.mask * on_policy[:, None].float()
-    if parity_mask.sum() > 0:
-        diff = (logp_new.detach() - batch.logp_behaviour).abs() * parity_mask
-        metrics["parity"] = float(diff.sum() / parity_mask.sum())
+    metrics: dict[str, Any] = {key: value / max(tokens, 1) for key, value in sums.items() if key != "loss"}
+    metrics.update(loss=sums["loss"], grad_norm=grad_norm, tokens=float(tokens), samples=float(len(samples)),
+                   mean_reward=fmean(s.total_reward for s in samples))
+    metrics["staleness"] = dict(Counter(str(current_version - behaviour_version(s)) for s in samples))  # type: ignore[operator]
+    diffs = torch.cat(parity) if parity else torch.zeros(0)
+    if diffs.numel():
+        metrics.update(parity=float(diffs.mean()), parity_p99=float(torch.quantile(diffs, 0.99)),
+                       parity_max=float(diffs.max()))
     return metrics
 
 
-def summarise(window: list[dict[str, float]], counters: dict[str, int]) -> dict[str, Any]:
-    """The metrics recorded with a version: step means (sums for counts) plus the buffer counters."""
+def summarise(window: list[dict[str, Any]], counters: dict[str, int]) -> dict[str, Any]:
+    """The metrics recorded with a version: step means (sums for counts, maxima for ``parity_max``,
+    a summed ``staleness`` histogram) plus the buffer counters."""
     out: dict[str, Any] = {}
-    for key in ("loss", "mean_reward", "clip_frac", "trunc_frac", "mean_ratio", "mean_abs_log_ratio", "grad_norm", "parity"):
+    for key in ("loss", "mean_reward", "clip_frac", "trunc_frac", "mean_ratio", "mean_abs_log_ratio", "kl",
+                "grad_norm", "parity", "parity_p99"):
         values = [m[key] for m in window if key in m]
         if values:
             out[key] = fmean(values)
+    if maxima := [m["parity_max"] for m in window if "parity_max" in m]:
+        out["parity_max"] = max(maxima)
     out["samples"] = int(sum(m["samples"] for m in window))
     out["tokens"] = int(sum(m["tokens"] for m in window))
     out["steps"] = len(window)
+    staleness: Counter[str] = Counter()
+    for m in window:
+        staleness.update(m.get("staleness", {}))
+    out["staleness"] = dict(sorted(staleness.items(), key=lambda kv: int(kv[0])))
     out.update(counters)
     return out

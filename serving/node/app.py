@@ -316,12 +316,15 @@ def create_app(engine: Engine, updater: Any = None, settings: Settings | None = 
             version=requested_version(request),
         )
         try:
-            return await asyncio.wrap_future(engine.submit(gen))
+            completion = await asyncio.wrap_future(engine.submit(gen))
         except EngineNotReady as exc:
             raise APIError(503, str(exc), code="not_ready") from None
         except VersionUnavailable as exc:
             raise APIError(409, f"{exc}; start a new session or ask for one of those",
                            param=MODEL_VERSION_HEADER, code="version_unavailable") from None
+        if settings.node.simulated_latency_s:
+            await asyncio.sleep(settings.node.simulated_latency_s)
+        return completion
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:

@@ -72,14 +72,22 @@ def samples(tiny_model_dir: Path) -> list[ScoredTrajectory]:
     return scored_trajectories(tiny_model_dir, N_TRAJECTORIES, seed=random.randrange(2**31))
 
 
-def make_settings(tmp_path: Path, db_url: str, model_dir: Path) -> Settings:
+#: The trainer variants the kill test runs: full-parameter; LoRA with a KL term to the base model
+#: and micro-batches small enough that every step accumulates gradients over several passes.
+VARIANTS = {
+    "full": {},
+    "lora_kl_microbatched": {"lora_rank": 4, "kl_coef": 0.05, "micro_batch_tokens": 64},
+}
+
+
+def make_settings(tmp_path: Path, db_url: str, model_dir: Path, **trainer: Any) -> Settings:
     return load_settings(
         None,
         data_dir=str(tmp_path / "data"),
         db={"url": db_url, "wait_s": 10},
         model={"path": str(model_dir)},
         bus={"partitions": 2},
-        trainer={"batch_size": BATCH, "steps_per_version": 1, "lr": 1e-3, "max_staleness": 1000},
+        trainer={"batch_size": BATCH, "steps_per_version": 1, "lr": 1e-3, "max_staleness": 1000, **trainer},
     )
 
 
@@ -132,12 +140,13 @@ def trained_ids(registry: Registry) -> list[str]:
     return [tid for v in registry.versions() for tid in v.metrics.get("trajectory_ids", [])]
 
 
+@pytest.mark.parametrize("variant", list(VARIANTS))
 def test_kill_9_at_a_random_moment_then_restart_loses_and_repeats_nothing(
-    tmp_path: Path, sqlite_url: str, tiny_model_dir: Path, samples: list[ScoredTrajectory]
+    tmp_path: Path, sqlite_url: str, tiny_model_dir: Path, samples: list[ScoredTrajectory], variant: str
 ) -> None:
     seed = random.randrange(2**31)
     rng = random.Random(seed)
-    settings = make_settings(tmp_path, sqlite_url, tiny_model_dir)
+    settings = make_settings(tmp_path, sqlite_url, tiny_model_dir, **VARIANTS[variant])
     config = tmp_path / "settings.json"
     config.write_text(json.dumps(settings.model_dump(mode="json")))
     registry = registry_for(settings)
@@ -155,7 +164,7 @@ def test_kill_9_at_a_random_moment_then_restart_loses_and_repeats_nothing(
     time.sleep(rng.uniform(0.0, 0.6))  # anywhere in a step, a checkpoint write, a publish or a commit
     proc.send_signal(signal.SIGKILL)
     assert proc.wait(10) == -signal.SIGKILL
-    context = {"seed": seed, "killed_at": latest()}
+    context = {"seed": seed, "killed_at": latest(), "variant": variant}
 
     send(settings, [s.to_bytes() for s in second] + duplicates[3:] + revisions[2:])
     proc = start_trainer(config, log_path)
@@ -180,6 +189,16 @@ def test_kill_9_at_a_random_moment_then_restart_loses_and_repeats_nothing(
     assert dropped.get("dropped_superseded", 0) + dropped.get("dropped_already_trained", 0) == len(revisions), context
     assert metrics["taken"] + sum(dropped.values()) == N_TRAJECTORIES + len(duplicates) + len(revisions), context
     assert read_dlq(settings) == [b"{ not json"]
+    # The versions changed the weights (LoRA ones through their merged export) and carry the
+    # step's metrics: the staleness histogram, and parity (every sample was served by v0, so on
+    # v1's first step the master equals the serving weights).
+    v1 = registry.get(1)
+    assert v1.fraction_changed and v1.fraction_changed > 0, context
+    assert v1.metrics["staleness"] == {"0": BATCH}, context
+    assert 0 <= v1.metrics["parity"] <= v1.metrics["parity_p99"] <= v1.metrics["parity_max"] < 0.5, context
+    assert sum(sum(v.metrics["staleness"].values()) for v in registry.versions()[1:]) == N_TRAJECTORIES, context
+    if "kl_coef" in VARIANTS[variant]:
+        assert any(v.metrics.get("kl", 0) > 0 for v in registry.versions()[2:]), context
 
 
 class Crash(Exception):
