@@ -18,6 +18,10 @@ For each pair, in the same run, it reports:
   computing every SHA-256 they need; ``decode_verified_gbps``: :func:`apply_delta` with the base
   hash known (target hash still checked); ``sha256_gbps``: :func:`state_sha256` alone;
 - ``bit_exact``: the applied delta hashes to the new state;
+- with ``--device D`` (``cuda``, ``cuda:N``, ``auto``: a GPU if there is one, or ``cpu``: torch's
+  CPU kernels), also ``device``, ``encode_device_gbps`` (the codec work as for ``encode_gbps``, on
+  states already on ``D``, their changed elements found by torch there) and ``device_identical``
+  (that delta equals the numba path's, byte for byte);
 - ``load_avg_1m``: the machine's 1-minute load average after the timings (other work on a shared
   machine slows every rate above; ``sha256_gbps`` is a control that this codec does not affect).
 
@@ -26,6 +30,7 @@ It prints a table and, with ``--json PATH``, writes ``{"pairs": [...]}``. Timing
 
     .venv/bin/python -m bench.weights --json /tmp/weights.json
     .venv/bin/python -m bench.weights --hidden 128 --layers 2 --vocab 2048 --lrs 1e-5 --gaps 1 --json /tmp/w.json
+    .venv/bin/python -m bench.weights --device cuda --json /tmp/weights-gpu.json
 """
 
 from __future__ import annotations
@@ -122,7 +127,22 @@ def _best(fn: Any, repeats: int) -> tuple[float, Any]:
     return best, out
 
 
-def measure(old: State, new: State, repeats: int) -> dict[str, Any]:
+def measure_device(old: State, new: State, old_sha: str, new_sha: str, delta: bytes, device: torch.device,
+                   repeats: int) -> dict[str, Any]:
+    """The encoder's codec work on states that live on ``device``, its changes found there."""
+    old_d = {n: t.to(device) for n, t in old.items()}
+    new_d = {n: t.to(device) for n, t in new.items()}
+
+    def encode() -> bytes:
+        return codec.encode_delta_with_summary(old_d, new_d, old_sha256=old_sha, new_sha256=new_sha, device=device)[0]
+
+    identical = encode() == delta  # also the warm-up (CUDA context, kernels)
+    enc_s, _ = _best(encode, repeats)
+    full = sum(t.numel() * t.element_size() for t in new.values())
+    return {"device": str(device), "encode_device_gbps": full / enc_s / 1e9, "device_identical": identical}
+
+
+def measure(old: State, new: State, repeats: int, device: torch.device | None = None) -> dict[str, Any]:
     full = sum(t.numel() * t.element_size() for t in new.values())
     changed, elements = codec.count_changed(old, new)
     old_sha, new_sha = codec.state_sha256(old), codec.state_sha256(new)
@@ -137,6 +157,7 @@ def measure(old: State, new: State, repeats: int) -> dict[str, Any]:
     exact = codec.state_sha256(result) == new_sha and all(
         hashlib.sha256(codec._bits(result[n]).tobytes()).digest() == hashlib.sha256(codec._bits(new[n]).tobytes()).digest()
         for n in new)
+    on_device = measure_device(old, new, old_sha, new_sha, delta, device, repeats) if device is not None else {}
     return {
         "elements": elements,
         "fraction_changed": changed / elements,
@@ -152,8 +173,17 @@ def measure(old: State, new: State, repeats: int) -> dict[str, Any]:
         "decode_verified_gbps": full / dec_v_s / 1e9,
         "sha256_gbps": full / hash_s / 1e9,
         "bit_exact": bool(exact),
+        **on_device,
         "load_avg_1m": os.getloadavg()[0],
     }
+
+
+def bench_device(name: str | None) -> torch.device | None:
+    """``--device``: None (not given, or ``auto`` without a GPU), torch's CPU for ``cpu``, else as
+    :func:`flywheel.weights.codec.resolve_device`."""
+    if name is None:
+        return None
+    return torch.device("cpu") if name == "cpu" else codec.resolve_device(name)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -169,7 +199,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, help="write {'pairs': [...]} here")
+    parser.add_argument("--device", help="also time the encoder finding changes with torch here: cuda[:N], auto "
+                                         "(a GPU if any) or cpu")
     args = parser.parse_args(argv)
+    try:
+        device = bench_device(args.device)
+    except ValueError as exc:
+        parser.error(str(exc))
     torch.set_num_threads(2)
     rows = []
     for lr in args.lrs:
@@ -178,7 +214,8 @@ def main(argv: list[str] | None = None) -> None:
                            vocab=args.vocab, batch=args.batch, seq=args.seq, seed=args.seed)
         train_s = time.monotonic() - started
         for gap, old, new in pairs:
-            row = {"lr": lr, "steps_apart": gap, **measure(old, new, args.repeats), "train_s": round(train_s, 1)}
+            row = {"lr": lr, "steps_apart": gap, **measure(old, new, args.repeats, device),
+                   "train_s": round(train_s, 1)}
             rows.append(row)
             print(f"lr={lr:g} gap={gap}: changed {row['fraction_changed']:.4f} flywheel {row['flywheel_pct']:.3f}% "
                   f"floor {row['floor_pct']:.3f}% (load {row['load_avg_1m']:.1f})", flush=True)
@@ -192,6 +229,11 @@ def main(argv: list[str] | None = None) -> None:
               f"{r['xor_zstd_pct']:>9.3f} {r['floor_pct']:>7.3f} {r['flywheel_pct'] / r['floor_pct']:>8.3f} "
               f"{r['encode_gbps']:>8.2f} {r['decode_gbps']:>8.2f} {r['encode_hashed_gbps']:>6.2f} "
               f"{r['decode_hashed_gbps']:>6.2f} {r['sha256_gbps']:>8.2f} {str(r['bit_exact']):>5}")
+    for r in rows:
+        if "device" in r:
+            print(f"lr={r['lr']:g} apart={r['steps_apart']}: encode on {r['device']} "
+                  f"{r['encode_device_gbps']:.2f} GB/s (numba {r['encode_gbps']:.2f}), "
+                  f"identical delta: {r['device_identical']}")
     if args.json:
         args.json.write_text(json.dumps({"pairs": rows}, indent=2))
 

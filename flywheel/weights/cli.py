@@ -1,8 +1,10 @@
 """``flywheel weights ...``: the delta codec on safetensors files, from the command line.
 
-``weights diff OLD NEW -o DELTA``, ``weights apply OLD DELTA -o OUT``, ``weights stats OLD NEW
-[--json]`` on files; on the configured registry (``model.line``), ``weights squash FROM TO -o DELTA``
-and ``weights gc [--keep-rollback N] [--dry-run]``. Each sets ``args.weights_func(args, settings)
+``weights diff OLD NEW -o DELTA [--device D]``, ``weights apply OLD DELTA -o OUT``, ``weights stats
+OLD NEW [--json] [--device D]`` on files; on the configured registry (``model.line``), ``weights
+squash FROM TO -o DELTA`` and ``weights gc [--keep-rollback N] [--dry-run]``. ``--device`` picks
+where the encoder finds the changed elements (``cpu``, ``cuda[:N]`` or ``auto``: a GPU when there
+is one); the delta is the same either way. Each sets ``args.weights_func(args, settings)
 -> exit code``; torch is imported only when a command runs, so building the parser stays cheap.
 """
 
@@ -24,6 +26,7 @@ def add_weights_commands(subparsers: Any) -> None:
     diff.add_argument("old", type=Path)
     diff.add_argument("new", type=Path)
     diff.add_argument("-o", "--output", type=Path, required=True, help="delta file to write")
+    _add_device(diff)
     diff.set_defaults(weights_func=_diff)
 
     apply = sub.add_parser("apply", help="rebuild NEW from OLD and a delta (verified by hash)")
@@ -36,6 +39,7 @@ def add_weights_commands(subparsers: Any) -> None:
     stats.add_argument("old", type=Path)
     stats.add_argument("new", type=Path)
     stats.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    _add_device(stats)
     stats.set_defaults(weights_func=_stats)
 
     squash = sub.add_parser("squash", help="one delta between two registry versions (model.line)")
@@ -51,7 +55,14 @@ def add_weights_commands(subparsers: Any) -> None:
     gc.set_defaults(weights_func=_gc)
 
 
+def _add_device(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", default="cpu", metavar="cpu|cuda|auto",
+                        help="where to find the changed elements: cpu (default), cuda[:N], or auto "
+                             "(cuda when available); the delta is the same")
+
+
 def _read_state(path: Path) -> dict[str, Any]:
+    """The state in a safetensors file, in name order (``decode_full``), so ``diff`` is reproducible."""
     from flywheel.weights.codec import decode_full
 
     return decode_full(path.read_bytes())
@@ -69,19 +80,21 @@ def _fail(message: str) -> int:
 
 
 def _diff(args: argparse.Namespace, _settings: Any = None) -> int:
-    from flywheel.weights.codec import DeltaError, encode_delta
+    from flywheel.weights.codec import encode_delta, resolve_device
 
     try:
+        device = resolve_device(args.device)
         old, new = _read_state(args.old), _read_state(args.new)
-    except (OSError, DeltaError) as exc:
+    except (ValueError, OSError) as exc:  # an unusable --device, an unreadable file (DeltaError is a ValueError)
         return _fail(str(exc))
     start = time.perf_counter()
-    delta = encode_delta(old, new)
+    delta = encode_delta(old, new, device=device)
     elapsed = time.perf_counter() - start
     _write_atomic(args.output, delta)
     full = sum(t.numel() * t.element_size() for t in new.values())
     share = 100 * len(delta) / max(full, 1)
-    print(f"wrote {args.output}: {len(delta):,} bytes ({share:.2f}% of {full:,}) in {elapsed:.2f}s")
+    where = f" on {device}" if device is not None else ""
+    print(f"wrote {args.output}: {len(delta):,} bytes ({share:.2f}% of {full:,}) in {elapsed:.2f}s{where}")
     return 0
 
 
@@ -99,12 +112,14 @@ def _apply(args: argparse.Namespace, _settings: Any = None) -> int:
 
 
 def _stats(args: argparse.Namespace, _settings: Any = None) -> int:
-    from flywheel.weights.codec import DeltaError, delta_stats
+    from flywheel.weights.codec import delta_stats, resolve_device
 
     try:
-        stats = delta_stats(_read_state(args.old), _read_state(args.new))
-    except (OSError, DeltaError) as exc:
+        device = resolve_device(args.device)
+        old, new = _read_state(args.old), _read_state(args.new)
+    except (ValueError, OSError) as exc:  # an unusable --device, an unreadable file (DeltaError is a ValueError)
         return _fail(str(exc))
+    stats = delta_stats(old, new, device=device)
     if args.json:
         print(json.dumps(stats, indent=2))
         return 0

@@ -41,6 +41,14 @@ popcounts, so both directions are one pass over the tensor plus work per changed
 encoder picks the class thresholds on a sample of blocks of the tensor. Tensors are coded on a
 small thread pool (the kernels and zstd release the GIL), largest first.
 
+The device path: for weights on a GPU (tensors on a device other than the CPU, or ``device=``
+given to :func:`encode_delta`), the per-element analysis of a sparse-capable tensor (the class
+sample's histograms, the change mask, each change's class and rank, the gaps and the steps) runs as
+torch ops on that device (:func:`_scan_torch`, any torch device, ``cpu`` included), and only the
+changed elements' gaps and steps come back. Everything else stays on the CPU: the Rice, step and
+zstd coding, the choice of scheme, tensors that cannot be sparse, hashing, and all of decoding. The
+torch ops find exactly what the numba kernels find, so the delta is the same, byte for byte.
+
 Invariants: :func:`apply_delta` either returns exactly the target state (its hash is checked against
 the recorded target hash) or raises :class:`DeltaError`; it never returns wrong weights. It also
 refuses a base whose hash is not the recorded base hash.
@@ -261,9 +269,11 @@ def encode_full(state: Mapping[str, torch.Tensor]) -> bytes:
 
 
 def decode_full(data: bytes) -> State:
-    """Inverse of :func:`encode_full`; corrupt input raises :class:`DeltaError`."""
+    """Inverse of :func:`encode_full`, tensors in name order (safetensors' own order varies from
+    call to call, and a delta's layout follows its input's order); corrupt input raises
+    :class:`DeltaError`."""
     try:
-        return safetensors.torch.load(bytes(data))
+        return dict(sorted(safetensors.torch.load(bytes(data)).items()))
     except Exception as exc:  # safetensors raises its own SafetensorError and others on bad input
         raise DeltaError(f"corrupt full checkpoint: {exc}") from exc
 
@@ -997,15 +1007,25 @@ def _choose_thresholds(old_bits: np.ndarray, new_bits: np.ndarray, mantissa: int
     changed elements. Only affects size and speed, never correctness."""
     width = old_bits.dtype.itemsize
     size = 1 << (8 * width - 1 - mantissa)
-    every = max(1, old_bits.size // (_SAMPLE_BLOCK * _SAMPLE_BLOCKS))
+    every = _sample_every(old_bits.size)
     n_e = np.zeros((4, size), dtype=np.int64)
     k_e = np.zeros((4, size), dtype=np.int64)
     _nb_histograms(old_bits, new_bits, _SAMPLE_BLOCK, every, _width_consts(width)[0], np.uint64(mantissa), n_e, k_e)
-    k_sum = k_e.sum(axis=0)
-    estimate = int(k_sum.sum()) * every
+    return _split_classes(n_e.sum(axis=0), k_e.sum(axis=0), every, mantissa)
+
+
+def _sample_every(numel: int) -> int:
+    """The threshold sample takes every this-many-th block of :data:`_SAMPLE_BLOCK` elements."""
+    return max(1, numel // (_SAMPLE_BLOCK * _SAMPLE_BLOCKS))
+
+
+def _split_classes(n_e: np.ndarray, k_e: np.ndarray, every: int, mantissa: int) -> tuple[list[int], int]:
+    """:func:`_choose_thresholds` from the sample's exponent histograms (int64, of all elements and
+    of the changed ones), each sampled element standing for ``every``."""
+    estimate = int(k_e.sum()) * every
     if estimate <= 64:
         return [], estimate
-    cut1, cut2 = _nb_split(n_e.sum(axis=0).astype(np.float64) * every, k_sum.astype(np.float64) * every,
+    cut1, cut2 = _nb_split(n_e.astype(np.float64) * every, k_e.astype(np.float64) * every,
                            _MAX_CLASSES, float(_CLASS_COST_BITS))
     return [int(c) << mantissa for c in (cut1, cut2) if c >= 0], estimate
 
@@ -1035,11 +1055,9 @@ def _encode_full_tensor(new_bits: np.ndarray, cctx: zstandard.ZstdCompressor) ->
 
 
 def _full_worth_trying(new_bits: np.ndarray, sparse_len: int, cctx: zstandard.ZstdCompressor) -> bool:
-    """Whether ``full`` may beat a sparse coding of ``sparse_len`` bytes: estimated from a slice of
-    at most :data:`_FULL_PROBE` elements, with a wide margin (this only saves time, the final
-    choice compares real sizes)."""
-    if sparse_len <= _TRY_FULL_ABOVE * new_bits.nbytes:
-        return False
+    """Whether ``full`` may beat a sparse coding of ``sparse_len`` bytes (which costs over
+    :data:`_TRY_FULL_ABOVE` of the raw bytes): estimated from a slice of at most :data:`_FULL_PROBE`
+    elements, with a wide margin (this only saves time, the final choice compares real sizes)."""
     if new_bits.size <= 2 * _FULL_PROBE:
         return True
     probe = new_bits[(new_bits.size - _FULL_PROBE) // 2 :][:_FULL_PROBE]
@@ -1047,25 +1065,22 @@ def _full_worth_trying(new_bits: np.ndarray, sparse_len: int, cctx: zstandard.Zs
     return estimate < 1.5 * sparse_len
 
 
-def _encode_tensor(name: str, old: torch.Tensor | None, new: torch.Tensor) -> tuple[dict[str, Any], list[bytes]]:
-    cctx, _ = _zstd()
-    entry: dict[str, Any] = {"name": name, "dtype": _dtype_name(new.dtype), "shape": list(new.shape)}
-    numel = new.numel()
-    new_bits = _bits(new)
-    entry["elements"] = numel
-    comparable = old is not None and old.dtype == new.dtype and tuple(old.shape) == tuple(new.shape)
-    if not comparable or not _sparse_capable(new) or numel == 0:
-        if comparable and np.array_equal(_bits(old), new_bits):  # type: ignore[arg-type]
-            entry.update(scheme="same", changed=0)
-            return entry, []
-        blob = _encode_full_tensor(new_bits, cctx)
-        entry.update(scheme="full", changed=numel, len=len(blob))
-        return entry, [blob]
-    assert old is not None
-    old_bits = _bits(old)
-    width = old_bits.dtype.itemsize
-    mask, sign, full = _width_consts(width)
-    mantissa = _MANTISSA.get(new.dtype)
+@dataclass(frozen=True)
+class _Changes:
+    """The changed elements of one tensor, the input of its sparse coding: the class thresholds
+    and, class by class, the Rice gaps between their ranks (uint64) and their zigzag coded steps
+    (unsigned integers of the element width), in element order."""
+
+    thresholds: list[int]
+    gaps: list[np.ndarray]
+    steps: list[np.ndarray]
+
+
+def _scan(old_bits: np.ndarray, new_bits: np.ndarray, dtype: torch.dtype) -> _Changes:
+    """The changed elements of a tensor (as :func:`_bits` views), found by the numba kernels."""
+    numel = old_bits.size
+    mask, sign, full = _width_consts(old_bits.dtype.itemsize)
+    mantissa = _MANTISSA.get(dtype)
     thresholds, estimate = _choose_thresholds(old_bits, new_bits, mantissa) if mantissa is not None else ([], numel)
     t1, t2, top = _kernel_thresholds(thresholds)
     classes = len(thresholds) + 1
@@ -1075,24 +1090,45 @@ def _encode_tensor(name: str, old: torch.Tensor | None, new: torch.Tensor) -> tu
     for cap in (min(numel, 2 * estimate + 4096), numel):
         gaps = np.empty((classes, cap), dtype=np.uint64)
         steps = np.empty((classes, cap), dtype=old_bits.dtype)
-        class_counts = np.zeros(classes, dtype=np.int64)
-        if _nb_scan(old_bits, new_bits, narrow(t1), narrow(t2), narrow(mask), top, new.dtype.is_floating_point,
-                    sign, full, gaps, steps, class_counts):
+        counts = np.zeros(classes, dtype=np.int64)
+        if _nb_scan(old_bits, new_bits, narrow(t1), narrow(t2), narrow(mask), top, dtype.is_floating_point,
+                    sign, full, gaps, steps, counts):
             break
-    changed = int(class_counts.sum())
+    return _Changes(thresholds, [gaps[c, : counts[c]] for c in range(classes)],
+                    [steps[c, : counts[c]] for c in range(classes)])
+
+
+def _encode_tensor(
+    name: str, old: torch.Tensor | None, new: torch.Tensor, device: torch.device | None = None
+) -> tuple[dict[str, Any], list[bytes]]:
+    """One tensor's header entry and payload blobs; ``device``: find its changed elements with
+    :func:`_scan_torch` there instead of the numba kernels (same result)."""
+    cctx, _ = _zstd()
+    entry: dict[str, Any] = {"name": name, "dtype": _dtype_name(new.dtype), "shape": list(new.shape)}
+    numel = new.numel()
+    entry["elements"] = numel
+    comparable = old is not None and old.dtype == new.dtype and tuple(old.shape) == tuple(new.shape)
+    if not comparable or not _sparse_capable(new) or numel == 0:
+        new_bits = _bits(new)
+        if comparable and np.array_equal(_bits(old), new_bits):  # type: ignore[arg-type]
+            entry.update(scheme="same", changed=0)
+            return entry, []
+        blob = _encode_full_tensor(new_bits, cctx)
+        entry.update(scheme="full", changed=numel, len=len(blob))
+        return entry, [blob]
+    assert old is not None
+    found = _scan_torch(old, new, device) if device is not None else _scan(_bits(old), _bits(new), new.dtype)
+    changed = sum(g.size for g in found.gaps)
     if changed == 0:
         entry.update(scheme="same", changed=0)
         return entry, []
     blobs: list[bytes] = []
-    counts: list[int] = []
     ks: list[int] = []
-    for c in range(classes):
-        count = int(class_counts[c])
-        k, unary, low = _rice_code(gaps[c, :count])
+    for gaps in found.gaps:
+        k, unary, low = _rice_code(gaps)
         blobs += [unary, low]
-        counts.append(count)
         ks.append(k)
-    steps = np.concatenate([steps[c, : class_counts[c]] for c in range(classes)])
+    steps = np.concatenate(found.steps)
     step_blobs, escaped = _encode_steps(steps, cctx)
     packed = False
     if escaped * _PACKED_STEPS_ABOVE > steps.size:  # big moves: the plain packed stream may be smaller
@@ -1101,16 +1137,154 @@ def _encode_tensor(name: str, old: torch.Tensor | None, new: torch.Tensor) -> tu
             step_blobs, packed = [b"", b"", plain], True
     blobs.extend(step_blobs)
     sparse_len = sum(len(b) for b in blobs)
-    if _full_worth_trying(new_bits, sparse_len, cctx):
-        full_blob = _encode_full_tensor(new_bits, cctx)
-        if len(full_blob) < sparse_len:
-            entry.update(scheme="full", changed=changed, len=len(full_blob))
-            return entry, [full_blob]
-    entry.update(scheme="sparse", changed=changed, len=sparse_len, classes=thresholds, counts=counts,
-                 rice=ks, parts=[len(b) for b in blobs[:-1]])
+    if sparse_len > _TRY_FULL_ABOVE * numel * new.element_size():
+        new_bits = _bits(new)
+        if _full_worth_trying(new_bits, sparse_len, cctx):
+            full_blob = _encode_full_tensor(new_bits, cctx)
+            if len(full_blob) < sparse_len:
+                entry.update(scheme="full", changed=changed, len=len(full_blob))
+                return entry, [full_blob]
+    entry.update(scheme="sparse", changed=changed, len=sparse_len, classes=found.thresholds,
+                 counts=[g.size for g in found.gaps], rice=ks, parts=[len(b) for b in blobs[:-1]])
     if packed:
         entry["values"] = "packed"
     return entry, blobs
+
+
+# --- the torch path -----------------------------------------------------------------------------
+#
+# :func:`_scan` again, as torch tensor ops, for weights that live on a GPU (a trainer's, a node's):
+# the per-element passes (the class sample's histograms, the change mask, the ranks, the steps) run
+# on that device, and only the changed elements' gaps and steps, and two small histograms, come
+# back to the CPU for the entropy coding. Element bits are held as *signed* integers of the element
+# width (the views torch supports everywhere) and widened to int64 for the arithmetic, with wrapping
+# made explicit, so that every step equals the numba kernels' to the bit.
+
+_SIGNED_VIEW = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+# Elements per chunk of the torch scan: bounds its temporaries (a few bytes an element, and five
+# more per class threshold) whatever the tensor's size.
+_TORCH_CHUNK = 1 << 24
+
+
+def _signed_bits(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t``'s elements as flat signed integers of the same width on ``device``."""
+    flat = t.detach().to(device).contiguous().reshape(-1)
+    return flat.view(_SIGNED_VIEW[flat.element_size()])
+
+
+def _wrap(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """int64 values reduced modulo ``2**bits`` to the signed range of that width (int64 arithmetic
+    already wraps at 64 bits)."""
+    if bits == 64:
+        return x
+    half = 1 << (bits - 1)
+    return ((x + half) & ((1 << bits) - 1)) - half
+
+
+def _torch_steps(a: torch.Tensor, b: torch.Tensor, floating: bool) -> torch.Tensor:
+    """Zigzag coded steps from ``a`` to ``b`` (signed views of changed elements) in the
+    order-preserving view, as in :func:`_nb_emit`; returned as the same signed view (the bits of the
+    numba kernels' unsigned steps)."""
+    bits = 8 * a.element_size()
+    x, y = a.long(), b.long()
+    if floating:  # sign-magnitude to monotone: negative values flip their magnitude bits
+        magnitude = (1 << (bits - 1)) - 1
+        x = x ^ ((x >> 63) & magnitude)
+        y = y ^ ((y >> 63) & magnitude)
+    s = _wrap(y - x, bits)
+    return _wrap((s << 1) ^ (s >> 63), bits).to(a.dtype)
+
+
+def _torch_thresholds(a: torch.Tensor, b: torch.Tensor, mantissa: int) -> list[int]:
+    """:func:`_choose_thresholds` on the device: the same sample of blocks, exponent histograms
+    by ``bincount``; the split itself runs on the CPU."""
+    numel = a.numel()
+    every = _sample_every(numel)
+    stride = _SAMPLE_BLOCK * every
+    if every > 1:  # every ``every``-th block: the first block of each stride, and of the tail
+        rows = numel // stride
+
+        def sample(x: torch.Tensor) -> torch.Tensor:
+            head = x[: rows * stride].view(rows, stride)[:, :_SAMPLE_BLOCK].reshape(-1)
+            return torch.cat([head, x[rows * stride : rows * stride + _SAMPLE_BLOCK]])
+
+        a, b = sample(a), sample(b)
+    bits = 8 * a.element_size()
+    size = 1 << (bits - 1 - mantissa)
+    exponent = ((a & ((1 << (bits - 1)) - 1)) >> mantissa).long()
+    n_e = torch.bincount(exponent, minlength=size)
+    k_e = torch.bincount(exponent[a != b], minlength=size)
+    return _split_classes(n_e.cpu().numpy(), k_e.cpu().numpy(), every, mantissa)[0]
+
+
+def _scan_torch(old: torch.Tensor, new: torch.Tensor, device: torch.device) -> _Changes:
+    """What :func:`_scan` finds, computed with torch on ``device`` (any device torch runs on; the
+    tensors are moved there if they are elsewhere). A changed element's class is the number of
+    thresholds at or below its old magnitude, its rank the members of its class before it: counts
+    of the elements below each threshold, by prefix sums over chunks of the tensor."""
+    a, b = _signed_bits(old, device), _signed_bits(new, device)
+    bits = 8 * a.element_size()
+    floating = new.dtype.is_floating_point
+    mantissa = _MANTISSA.get(new.dtype)
+    thresholds = _torch_thresholds(a, b, mantissa) if mantissa is not None else []
+    classes = len(thresholds) + 1
+    below_before = [torch.zeros((), dtype=torch.int64, device=device) for _ in thresholds]
+    ranks: list[list[torch.Tensor]] = [[] for _ in range(classes)]
+    steps: list[list[torch.Tensor]] = [[] for _ in range(classes)]
+    for start in range(0, a.numel(), _TORCH_CHUNK):
+        ca, cb = a[start : start + _TORCH_CHUNK], b[start : start + _TORCH_CHUNK]
+        at = torch.nonzero(ca != cb).reshape(-1)
+        # bounds[j + 1]: the elements before each change that are below thresholds[j]; bounds[0]
+        # and bounds[-1] those below -inf and +inf (none, all). Class c's members before a change
+        # are bounds[c + 1] - bounds[c].
+        bounds = [torch.zeros_like(at)]
+        cls = torch.zeros_like(at)
+        if thresholds:
+            magnitude = ca & ((1 << (bits - 1)) - 1)
+        for j, threshold in enumerate(thresholds):
+            below = magnitude < threshold
+            counts = torch.cumsum(below, 0, dtype=torch.int32)
+            bounds.append((counts[at] - below[at].int()).long() + below_before[j])
+            cls += ~below[at]
+            below_before[j] = below_before[j] + counts[-1]
+        bounds.append(at + start)
+        step = _torch_steps(ca[at], cb[at], floating)
+        for c in range(classes):
+            member = cls == c
+            ranks[c].append((bounds[c + 1] - bounds[c])[member])
+            steps[c].append(step[member])
+    gaps: list[np.ndarray] = []
+    out_steps: list[np.ndarray] = []
+    for c in range(classes):
+        rank = torch.cat(ranks[c])
+        gap = torch.diff(rank, prepend=rank.new_full((1,), -1)) - 1
+        gaps.append(gap.cpu().numpy().view(np.uint64))
+        out_steps.append(torch.cat(steps[c]).cpu().numpy().view(_UINT[a.element_size()]))
+    return _Changes(thresholds, gaps, out_steps)
+
+
+def resolve_device(name: str) -> torch.device | None:
+    """The ``device`` argument of :func:`encode_delta` for a command line's ``--device``: ``cpu``
+    the numba kernels (None), ``cuda`` or ``cuda:N`` that GPU, ``auto`` a GPU when there is one.
+    An unknown name or a GPU that is not there raises :class:`ValueError` with a message for a person.
+    """
+    if name == "cpu":
+        return None
+    if name == "auto":
+        return torch.device("cuda") if torch.cuda.is_available() else None
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        device = None
+    if device is None or device.type != "cuda":
+        raise ValueError(f"unknown device {name!r} (expected cpu, cuda, cuda:N or auto)")
+    if not torch.cuda.is_available():
+        built = "with" if torch.backends.cuda.is_built() else "without"
+        raise ValueError(f"device {name!r} asked for, but CUDA is not available here "
+                         f"(torch {torch.__version__}, built {built} CUDA)")
+    if device.index is not None and device.index >= torch.cuda.device_count():
+        raise ValueError(f"device {name!r} asked for, but there are only {torch.cuda.device_count()} CUDA devices")
+    return device
 
 
 def encode_delta_with_summary(
@@ -1119,15 +1293,24 @@ def encode_delta_with_summary(
     *,
     old_sha256: str | None = None,
     new_sha256: str | None = None,
+    device: str | torch.device | None = None,
 ) -> tuple[bytes, DeltaSummary]:
     """:func:`encode_delta`, also returning element counts and per-tensor entries.
 
     ``old_sha256`` / ``new_sha256``: the states' :func:`state_sha256` when the caller already has
     them (saves hashing twice); a wrong value only makes the delta unusable, never wrong.
+    ``device``: as :func:`encode_delta`.
     """
     names = list(new)
     total = sum(new[n].numel() for n in names)
-    results = _map(lambda n: _encode_tensor(n, old.get(n), new[n]), names, [new[n].numel() for n in names])
+    chosen = None if device is None else torch.device(device)
+
+    def encode(name: str) -> tuple[dict[str, Any], list[bytes]]:
+        t = new[name]
+        where = chosen if chosen is not None or t.device.type == "cpu" else t.device
+        return _encode_tensor(name, old.get(name), t, where)
+
+    results = _map(encode, names, [new[n].numel() for n in names])
     entries = [entry for entry, _ in results]
     header = {
         "base_sha256": old_sha256 if old_sha256 is not None else state_sha256(old),
@@ -1144,9 +1327,16 @@ def encode_delta_with_summary(
     return b"".join(parts), summary
 
 
-def encode_delta(old: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor]) -> bytes:
-    """A self-describing lossless delta that turns ``old`` (the base) into ``new`` (the target)."""
-    return encode_delta_with_summary(old, new)[0]
+def encode_delta(
+    old: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor], *, device: str | torch.device | None = None
+) -> bytes:
+    """A self-describing lossless delta that turns ``old`` (the base) into ``new`` (the target).
+
+    ``device``: the torch device that finds the changed elements (tensors elsewhere are copied
+    there, one at a time); by default the numba kernels do for tensors on the CPU and torch on the
+    device of any other. Every choice gives the same bytes.
+    """
+    return encode_delta_with_summary(old, new, device=device)[0]
 
 
 # --- decoding -----------------------------------------------------------------------------------
@@ -1342,14 +1532,17 @@ def _entropy_bits(counts: Iterable[int]) -> float:
     return float(-(p * np.log2(p)).sum() * total)
 
 
-def delta_stats(old: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor]) -> dict[str, Any]:
-    """Sizes of the delta from ``old`` to ``new`` next to a naive baseline and an entropy floor.
+def delta_stats(
+    old: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor], *, device: str | torch.device | None = None
+) -> dict[str, Any]:
+    """Sizes of the delta from ``old`` to ``new`` (encoded as :func:`encode_delta` with ``device``)
+    next to a naive baseline and an entropy floor.
 
     ``bytes_full``: raw bytes of ``new``; ``bytes_delta``: this codec; ``bytes_xor_zstd``: XOR of the
     bits with the base, zstd level 3; ``bytes_entropy_floor``: order-0 estimate (H(p) per element for
     the positions plus the empirical entropy of the steps, raw bytes for tensors with no base).
     """
-    delta, summary = encode_delta_with_summary(old, new)
+    delta, summary = encode_delta_with_summary(old, new, device=device)
     cctx = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
     by_dtype: dict[str, dict[str, Any]] = {}
     totals = {"bytes_full": 0, "bytes_xor_zstd": 0, "bytes_entropy_floor": 0.0}

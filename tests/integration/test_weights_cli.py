@@ -7,6 +7,7 @@ import random
 from pathlib import Path
 
 import pytest
+import torch
 
 from flywheel.cli import main
 from flywheel.db.session import make_engine, make_session_factory, upgrade
@@ -37,6 +38,36 @@ def test_diff_apply_and_stats_on_files(tmp_path: Path, capsys: pytest.CaptureFix
     assert main(["weights", "apply", str(tmp_path / "new.safetensors"), str(tmp_path / "d.delta"),
                  "-o", str(tmp_path / "wrong.safetensors")]) == 1
     assert not (tmp_path / "wrong.safetensors").exists()
+
+
+def test_diff_and_stats_on_a_device(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--device``: the same delta wherever the changes are found; a GPU that is not there is one
+    line of error and exit code 1, before any file is read or written."""
+    rng = random.Random(3)
+    old = make_state(rng)
+    new = train_step(rng, old)
+    paths = [str(tmp_path / "old.safetensors"), str(tmp_path / "new.safetensors")]
+    (tmp_path / "old.safetensors").write_bytes(encode_full(old))
+    (tmp_path / "new.safetensors").write_bytes(encode_full(new))
+    assert main(["weights", "diff", *paths, "-o", str(tmp_path / "cpu.delta")]) == 0
+    assert main(["weights", "diff", *paths, "-o", str(tmp_path / "auto.delta"), "--device", "auto"]) == 0
+    assert (tmp_path / "auto.delta").read_bytes() == (tmp_path / "cpu.delta").read_bytes()
+    capsys.readouterr()
+    assert main(["weights", "stats", *paths, "--json", "--device", "auto"]) == 0
+    assert json.loads(capsys.readouterr().out)["bytes_delta"] == len((tmp_path / "cpu.delta").read_bytes())
+    for command in (["diff", *paths, "-o", str(tmp_path / "gpu.delta")], ["stats", *paths]):
+        for device in ("cuda", "tpu"):
+            if device == "cuda" and torch.cuda.is_available():
+                assert main(["weights", *command, "--device", "cuda"]) == 0
+                continue
+            assert main(["weights", *command, "--device", device]) == 1
+            out, err = capsys.readouterr()
+            assert out == "" and err.count("\n") == 1 and err.startswith("flywheel weights: ")
+            assert ("CUDA is not available" if device == "cuda" else "unknown device") in err
+    if torch.cuda.is_available():
+        assert (tmp_path / "gpu.delta").read_bytes() == (tmp_path / "cpu.delta").read_bytes()
+    else:
+        assert not (tmp_path / "gpu.delta").exists()
 
 
 def test_squash_and_gc_on_the_configured_registry(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
