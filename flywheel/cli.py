@@ -69,6 +69,16 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def _version_ref(text: str) -> int | tuple[str, int]:
+    """``flywheel rollout``'s VERSION: ``3`` or ``v3`` (of model.line), or ``LINE:3`` (a line named
+    explicitly; serving/rollout.py refuses another line than model.line)."""
+    line, sep, number = text.rpartition(":")
+    digits = number[1:] if number[:1] in ("v", "V") else number
+    if not (digits.isascii() and digits.isdigit()) or int(digits) >= 2**31 or (sep and not line):
+        raise argparse.ArgumentTypeError(f"invalid version {text!r}: expected V, vV or LINE:V with V a whole number")
+    return (line, int(digits)) if line else int(digits)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flywheel", description="RL from live product feedback.")
     parser.add_argument("--config", help="settings file (TOML or JSON); also FLYWHEEL_CONFIG")
@@ -87,11 +97,17 @@ def build_parser() -> argparse.ArgumentParser:
         if role == "gateway":
             p.add_argument("--upstream", help="OpenAI-compatible base URL to front (default: the local node)")
         if role == "rollout":  # no action: the controller loop; serving/rollout.py:main does the others
-            p.add_argument("action", nargs="?", choices=["promote", "rollback", "status"],
+            p.add_argument("action", nargs="?", choices=["promote", "rollback", "pin", "unpin", "status"],
                            help="promote V: make V stable; rollback V: roll back a canary, or the stable version "
-                                "(restores the newest earlier stable one); status: versions and the next decision")
-            p.add_argument("version", nargs="?", type=int, help="promote / rollback: the version")
-            p.add_argument("--reason", help="promote / rollback: added to the audited reason")
+                                "(restores the newest earlier stable one); pin V: make V stable and freeze "
+                                "automatic rollout (ends a running canary); unpin: resume it; status: versions, "
+                                "the pin and the next decision")
+            p.add_argument("version", nargs="?", type=_version_ref,
+                           help="promote / rollback / pin: the version of model.line (V, vV or LINE:V)")
+            p.add_argument("--reason", help="promote / rollback / pin / unpin: added to the audited reason")
+            p.add_argument("--force", action="store_true",
+                           help="promote / rollback on a pinned line: do it anyway (the pin follows the new "
+                                "stable version)")
             p.add_argument("--json", action="store_true", help="status: print JSON")
         if role == "rewards":  # no action: the worker; rewards/rescore.py does the other two
             p.add_argument("action", nargs="?", choices=["rescore", "report"],

@@ -42,7 +42,20 @@ Every ``rollout.interval_s`` :func:`step` reads the registry and does at most on
 
 Every decision is logged with its figures, every status change carries them (short) as the
 registry's audited reason and is announced as a :class:`~flywheel.events.VersionEvent` on the
-``versions`` topic. :func:`main` is ``flywheel rollout promote|rollback|status``.
+``versions`` topic. :func:`main` is ``flywheel rollout promote|rollback|pin|unpin|status``.
+
+**Pinned lines.** ``flywheel rollout pin V`` (:func:`manual_pin`, :meth:`Registry.pin`) makes V
+stable unless it is (any version whose weights rebuild to its hash, except a collected one), ends a
+running canary by returning it to ``candidate`` (a pin is no verdict on it: after the unpin it may
+be canaried again), so every new session goes to V (tenant pins, an explicit per-tenant admin
+override, still apply; sessions already on the old canary stay sticky while a node holds it), and
+freezes the line: while pinned each tick decides ``pinned`` (logged, no status change) and the
+registry refuses status changes. Manual ``promote``/``rollback`` are refused with the pin's
+who/when/why unless ``--force`` (``"force": true`` in the admin API): a forced promote of W moves the
+pin to W; a forced rollback of the pinned version moves the pin to the version it restores. The line
+stays frozen either way; only ``flywheel rollout unpin`` resumes automatic rollout. The pin lives in
+the registry's database (durable, audited, written under the same line lock as the
+compare-and-set), never in a process.
 
 Invariants: the statistics and the decisions are pure functions of plain numbers
 (``serving.rollout_policy``); the IO around them is reads of the registry and the database and
@@ -64,7 +77,7 @@ from typing import Any, Callable, Sequence
 
 from flywheel.events import VersionEvent
 from flywheel.settings import RolloutSettings, Settings
-from flywheel.weights.registry import StatusChanged
+from flywheel.weights.registry import LinePinned, PinInfo, StatusChanged, VersionNotFound, WeightsError
 from serving.rollout_policy import (
     LATENCY_SAMPLE_CAP, NEGATIVE_SIGNALS, GateResult, HeldOutRow, VersionSample, choose_candidate, held_out_gate,
     judge_canary, parity_gate, previous_stable,
@@ -77,7 +90,7 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Decision:
-    action: str  # none | wait | canary | promote | rollback
+    action: str  # none | wait | canary | promote | rollback | pinned
     version: int | None
     reason: str
     figures: dict[str, Any] = field(default_factory=dict)
@@ -143,10 +156,26 @@ def canary_started(transitions: Sequence[dict[str, Any]]) -> datetime | None:
     return max((t["at"] for t in transitions if t["to_status"] == "canary"), default=None)
 
 
+def pin_figures(pin: PinInfo) -> dict[str, Any]:
+    return {"version": pin.version, "by": pin.by, "at": pin.at.isoformat(), "reason": pin.reason}
+
+
+def pinned_decision(pin: PinInfo, versions: Sequence[Any]) -> Decision:
+    """A pinned line's decision: no change; names the candidates the pin holds back."""
+    held = [v.version for v in versions if v.status == "candidate" and v.version > pin.version]
+    waiting = f"; holding back candidates {', '.join(f'v{v}' for v in held)}" if held else ""
+    return Decision("pinned", pin.version, f"model line pinned to {pin.describe()}; automatic rollout is frozen "
+                                           f"until `flywheel rollout unpin`{waiting}",
+                    {"pin": pin_figures(pin), "held": held})
+
+
 def evaluate(registry: Any, sessions: Any, policy: RolloutSettings, now: datetime | None = None) -> Decision:
     """The decision for this tick, without applying it (``flywheel rollout status`` shows it)."""
     now = now or datetime.now(UTC)
     versions = registry.versions()
+    pin = registry.pinned()
+    if pin is not None:
+        return pinned_decision(pin, versions)
     stable = max((v.version for v in versions if v.status == "stable"), default=None)
     canary = max((v for v in versions if v.status == "canary"), key=lambda v: v.version, default=None)
     with sessions() as db:
@@ -190,7 +219,7 @@ def step(registry: Any, sessions: Any, policy: RolloutSettings,
         try:
             registry.set_status(decision.version, _STATUS_OF[decision.action], reason=f"rollout: {decision.reason}",
                                 expect=decision.was)
-        except StatusChanged as exc:  # an operator moved it meanwhile: decide again next tick
+        except StatusChanged as exc:  # an operator moved it (or pinned the line) meanwhile: decide again next tick
             log.warning("rollout: skipping %s of v%d: %s", decision.action, decision.version, exc)
             return Decision("none", decision.version, str(exc))
         log.info("rollout: v%d -> %s: %s", decision.version, _STATUS_OF[decision.action], decision.reason)
@@ -268,57 +297,162 @@ def run(settings: Settings, stop: threading.Event | None = None) -> None:
         db.dispose()
 
 
-# --- flywheel rollout promote | rollback | status ------------------------------------------------
+# --- flywheel rollout promote | rollback | pin | unpin | status -----------------------------------
 
 
 class RolloutError(Exception):
     """A manual rollout command that cannot be applied (the message says why)."""
 
+    code = "rollout_conflict"
 
-def manual_promote(registry: Any, version: int, reason: str = "") -> list[int]:
-    """Make ``version`` stable (audited); returns the versions whose status changed."""
+
+class Pinned(RolloutError):
+    """The line is pinned and the command was not forced."""
+
+    code = "line_pinned"
+
+
+def _refuse_pinned(pin: PinInfo, action: str) -> Pinned:
+    return Pinned(f"model line {pin.model_line!r} is pinned to {pin.describe()}; {action} is refused while pinned: "
+                  f"`flywheel rollout unpin` resumes rollout, `flywheel rollout pin V` moves the pin, "
+                  f"--force {action}s anyway and moves the pin")
+
+
+def manual_promote(registry: Any, version: int, reason: str = "", *, force: bool = False,
+                   by: str = "operator") -> list[int]:
+    """Make ``version`` stable (audited); returns the versions whose status changed. On a pinned
+    line refused (:class:`Pinned`) unless ``force``, which moves the pin to ``version``."""
     info = registry.get(version)
     if info.status == "collected":
         raise RolloutError(f"v{version} was garbage-collected; its weights are gone")
     if info.status == "stable":
         raise RolloutError(f"v{version} is already stable")
     note = f": {reason}" if reason else ""
-    registry.set_status(version, "stable", reason=f"manual promote (was {info.status}){note}")
+    pin = registry.pinned()
+    if pin is not None:
+        if not force:
+            raise _refuse_pinned(pin, "promote")
+        return _pin(registry, version, by, f"forced promote (was {info.status}){note}")[1]
+    try:
+        registry.set_status(version, "stable", reason=f"manual promote (was {info.status}){note}")
+    except LinePinned as exc:  # pinned since we looked
+        raise _refuse_pinned(exc.pin, "promote") from None
     return [version]
 
 
-def manual_rollback(registry: Any, version: int, reason: str = "") -> list[int]:
-    """Roll back a canary, or the stable version (restoring :func:`previous_stable` first)."""
+def manual_rollback(registry: Any, version: int, reason: str = "", *, force: bool = False,
+                    by: str = "operator") -> list[int]:
+    """Roll back a canary, or the stable version (restoring :func:`previous_stable` first). On a
+    pinned line refused (:class:`Pinned`) unless ``force``: rolling back the pinned version then
+    moves the pin to the version restored."""
     info = registry.get(version)
     note = f": {reason}" if reason else ""
-    if info.status == "canary":
-        registry.set_status(version, "rolled_back", reason=f"manual rollback of canary{note}")
-        return [version]
-    if info.status != "stable":
-        raise RolloutError(f"v{version} is {info.status}; only a canary or the stable version can be rolled back")
-    restore = previous_stable(registry.versions(), registry.transitions(), version)
-    if restore is None:
-        raise RolloutError(f"no earlier stable version (not rolled back or collected) to restore instead of v{version}")
-    registry.set_status(restore, "stable", reason=f"manual rollback of v{version}: restored{note}")
-    registry.set_status(version, "rolled_back", reason=f"manual rollback; v{restore} restored{note}")
+    pin = registry.pinned()
+    if pin is not None and not force:
+        raise _refuse_pinned(pin, "rollback")
+    try:
+        if info.status == "canary":
+            registry.set_status(version, "rolled_back", reason=f"manual rollback of canary{note}",
+                                override_pin=force)
+            return [version]
+        if info.status != "stable":
+            raise RolloutError(f"v{version} is {info.status}; only a canary or the stable version can be rolled back")
+        restore = previous_stable(registry.versions(), registry.transitions(), version)
+        if restore is None:
+            raise RolloutError(f"no earlier stable version (not rolled back or collected) to restore instead of "
+                               f"v{version}")
+        if pin is not None:  # forced: the pin follows the restored version, which retires this one
+            _, changed = _pin(registry, restore, by, f"forced rollback of v{version}: restored{note}")
+            registry.set_status(version, "rolled_back", reason=f"forced rollback by {by}; v{restore} restored{note}",
+                                expect="retired", override_pin=True)
+            return [*changed, version]
+        registry.set_status(restore, "stable", reason=f"manual rollback of v{version}: restored{note}")
+        registry.set_status(version, "rolled_back", reason=f"manual rollback; v{restore} restored{note}")
+    except LinePinned as exc:  # pinned since we looked
+        raise _refuse_pinned(exc.pin, "rollback") from None
+    except StatusChanged as exc:
+        raise RolloutError(f"v{version} changed meanwhile: {exc}") from None
     return [restore, version]
+
+
+def _pin(registry: Any, version: int, by: str, reason: str) -> tuple[PinInfo, list[int]]:
+    try:
+        pin, changed = registry.pin(version, by=by, reason=reason)
+    except VersionNotFound:
+        raise
+    except WeightsError as exc:  # collected meanwhile, or the weights do not rebuild to the hash
+        raise RolloutError(f"cannot pin v{version}: {exc}") from None
+    return pin, [i.version for i in changed]
+
+
+def manual_pin(registry: Any, version: int, by: str, reason: str = "") -> tuple[PinInfo, list[int]]:
+    """Pin the line to ``version`` (see the module docstring); returns the pin and the versions
+    whose status changed (the pinned one when it was not stable, an ended canary)."""
+    info = registry.get(version)  # VersionNotFound for an unknown version
+    if info.status == "collected":
+        raise RolloutError(f"v{version} was garbage-collected; its weights are gone and it cannot be pinned")
+    return _pin(registry, version, by, reason)
+
+
+def manual_unpin(registry: Any, by: str, reason: str = "") -> PinInfo:
+    """Lift the line's pin (audited); returns the pin lifted."""
+    lifted = registry.unpin(by=by, reason=reason)
+    if lifted is None:
+        raise RolloutError(f"model line {registry.model_line!r} is not pinned")
+    return lifted
 
 
 def status_report(registry: Any, sessions: Any, policy: RolloutSettings, limit: int = 20) -> dict[str, Any]:
     versions = registry.versions()
     keep = {v.version for v in versions[-limit:]} | {v.version for v in versions if v.status in ("stable", "canary")}
+    pin = registry.pinned()
     decision = evaluate(registry, sessions, policy)
     return {
         "model_line": registry.model_line,
+        "pin": pin_figures(pin) if pin is not None else None,
         "versions": [{"version": v.version, "status": v.status, "kind": v.kind, "created_at": v.created_at.isoformat()}
                      for v in versions if v.version in keep],
         "next_decision": asdict(decision),
     }
 
 
+def operator() -> str:
+    """Who runs this command, for the audit log: ``user@host``."""
+    import getpass
+    import socket
+
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):  # no login name (a container with an unnamed uid)
+        user = "unknown"
+    return f"{user}@{socket.gethostname()}"
+
+
+def other_lines_with(registry: Any, version: int) -> list[str]:
+    """The other model lines of the registry's database that have ``version`` (for error messages)."""
+    from sqlalchemy import select
+
+    from flywheel.db.models import ModelVersion
+
+    with registry.sessions() as db:
+        query = select(ModelVersion.model_line).where(ModelVersion.version == version,
+                                                      ModelVersion.model_line != registry.model_line)
+        return sorted(db.scalars(query))
+
+
 def main(args: argparse.Namespace, settings: Settings) -> int:
-    """``flywheel rollout promote V | rollback V | status``."""
+    """``flywheel rollout promote V | rollback V | pin V | unpin | status``.
+
+    ``V`` is a version of ``model.line``, or ``LINE:V`` (refused unless LINE is ``model.line``).
+    Exit status: 0 done; 1 refused (unknown version, another line's version, collected, weights that
+    do not rebuild to their hash, a pinned line without ``--force``, unpin of an unpinned line);
+    2 usage (no version named).
+    """
     import sys
+
+    def refuse(message: str, code: int = 1) -> int:
+        print(f"flywheel rollout {args.action}: {message}", file=sys.stderr)
+        return code
 
     db, sessions, registry = _open(settings)
     try:
@@ -328,25 +462,53 @@ def main(args: argparse.Namespace, settings: Settings) -> int:
                 print(json.dumps(report, indent=2, default=str))
                 return 0
             print(f"model line {report['model_line']}")
+            pin = report["pin"]
+            if pin is not None:
+                why = f": {pin['reason']}" if pin["reason"] else ""
+                print(f"pinned to v{pin['version']} by {pin['by']} at {pin['at']}{why} "
+                      f"(automatic rollout frozen; `flywheel rollout unpin` resumes it)")
             for v in report["versions"]:
-                print(f"  v{v['version']:<6} {v['status']:<12} {v['kind']:<6} {v['created_at']}")
+                mark = " pinned" if pin is not None and pin["version"] == v["version"] else ""
+                print(f"  v{v['version']:<6} {v['status']:<12} {v['kind']:<6} {v['created_at']}{mark}")
             d = report["next_decision"]
             target = f" v{d['version']}" if d["version"] is not None else ""
             print(f"next decision: {d['action']}{target}: {d['reason']}")
             return 0
+        by = operator()
+        if args.action == "unpin":
+            if args.version is not None:
+                return refuse("takes no version: a line has one pin (flywheel rollout unpin [--reason R])", 2)
+            try:
+                lifted = manual_unpin(registry, by, args.reason or "")
+            except RolloutError as exc:
+                return refuse(str(exc))
+            print(f"unpinned {registry.model_line} (was pinned to {lifted.describe()}); automatic rollout resumes")
+            return 0
         if args.version is None:
-            print(f"flywheel rollout {args.action}: name the version (flywheel rollout {args.action} V)",
-                  file=sys.stderr)
-            return 2
-        act = manual_promote if args.action == "promote" else manual_rollback
+            return refuse(f"name the version (flywheel rollout {args.action} V)", 2)
+        line, version = args.version if isinstance(args.version, tuple) else (None, args.version)
+        if line is not None and line != registry.model_line:
+            return refuse(f"v{version} of model line {line!r} is not this deployment's: model.line is "
+                          f"{registry.model_line!r} (pins, promotions and rollbacks act on model.line only)")
         try:
-            changed = act(registry, args.version, args.reason or "")
+            if args.action == "pin":
+                _, changed = manual_pin(registry, version, by, args.reason or "")
+            else:
+                act = manual_promote if args.action == "promote" else manual_rollback
+                changed = act(registry, version, args.reason or "", force=args.force, by=by)
+        except VersionNotFound:
+            others = other_lines_with(registry, version)
+            hint = (f" (model lines with a v{version}: {', '.join(others)}; this command acts on model.line)"
+                    if others else "")
+            return refuse(f"model line {registry.model_line!r} has no version {version}{hint}")
         except RolloutError as exc:
-            print(f"flywheel rollout {args.action}: {exc}", file=sys.stderr)
-            return 1
+            return refuse(str(exc))
         announce(settings, [registry.get(v) for v in changed])
         for v in changed:
             print(f"v{v}: {registry.get(v).status}")
+        held = registry.pinned()
+        if held is not None:
+            print(f"pinned to {held.describe()}; automatic rollout frozen until `flywheel rollout unpin`")
         return 0
     finally:
         db.dispose()

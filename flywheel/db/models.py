@@ -30,6 +30,7 @@ from sqlalchemy import (
     Text,
     TypeDecorator,
     UniqueConstraint,
+    text,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
@@ -206,9 +207,21 @@ class ModelVersion(Base):
     fraction_changed: Mapped[float | None] = mapped_column(Float)
     train_step: Mapped[int | None] = mapped_column(Integer)
     metrics: Mapped[dict] = mapped_column(JSON, default=dict)
-    #: candidate | canary | stable | rolled_back | retired
+    #: candidate | canary | stable | rolled_back | retired | collected
     status: Mapped[str] = mapped_column(String(16), default="candidate")
     created_at: Mapped[datetime]
+    #: The rollout pin (``flywheel rollout pin``): set on the one version of the line that the pin
+    #: holds stable (who, when, why); NULL everywhere on an unpinned line. Pin and unpin are audited
+    #: in ``version_transitions``.
+    pinned_at: Mapped[datetime | None]
+    pinned_by: Mapped[str | None] = mapped_column(String(256))
+    pin_reason: Mapped[str | None] = mapped_column(Text)
+
+    __table_args__ = (
+        # At most one pinned version per line (the registry also writes pins under the line's lock).
+        Index("uq_model_versions_pinned", "model_line", unique=True,
+              postgresql_where=text("pinned_at IS NOT NULL"), sqlite_where=text("pinned_at IS NOT NULL")),
+    )
 
 
 class VersionTransition(Base):

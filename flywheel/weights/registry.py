@@ -18,6 +18,15 @@ Invariants:
   full checkpoint (a new anchor is cheaper to load than that chain).
 - :meth:`Registry.load` returns weights whose hash equals the row's, or raises :class:`WeightsError`.
 - At most one version of a line is ``stable``: promoting one retires the previous (audited).
+- A line may be *pinned* (:meth:`Registry.pin`): the pinned version is stable, carries who pinned
+  it, when and why (``model_versions.pinned_*``; at most one per line), and stays stable: while a
+  pin holds, :meth:`Registry.set_status` refuses every status change (:class:`LinePinned`) unless
+  told ``override_pin``, and even then never makes another version stable nor moves the pinned one
+  off stable (move the pin instead). Pinning ends a running canary (back to ``candidate``) in the
+  same transaction. Pin, re-pin and unpin are audited in ``version_transitions`` like status changes
+  (a pin of the stable version, and an unpin, as a ``stable -> stable`` row whose reason says so).
+  Every status or pin change runs under the line's lock, so a pin and a compare-and-set
+  (``expect=``) never interleave.
 - :meth:`Registry.collect` (garbage collection) deletes only objects that no kept version needs:
   kept are the stable and canary versions, candidates newer than stable, the version every node
   heartbeating within ``node_ttl_s`` reports live, the last ``keep_rollback`` formerly stable
@@ -75,6 +84,29 @@ class VersionNotFound(WeightsError, LookupError):
     """No such version in this model line."""
 
 
+class LinePinned(StatusChanged):
+    """The line is pinned: its status changes are frozen (``flywheel rollout unpin`` lifts the pin)."""
+
+    def __init__(self, message: str, pin: PinInfo) -> None:
+        super().__init__(message)
+        self.pin = pin
+
+
+@dataclass(frozen=True)
+class PinInfo:
+    """A line's rollout pin: ``version`` is held stable; no automatic or manual status changes."""
+
+    model_line: str
+    version: int
+    by: str
+    reason: str
+    at: datetime
+
+    def describe(self) -> str:
+        why = f": {self.reason}" if self.reason else ""
+        return f"v{self.version} by {self.by} at {self.at.isoformat(timespec='seconds')}{why}"
+
+
 @dataclass(frozen=True)
 class VersionInfo:
     model_line: str
@@ -95,6 +127,11 @@ class VersionInfo:
 def _utc(value: datetime) -> datetime:
     # SQLite hands back naive datetimes; everything stored is UTC.
     return value if value.tzinfo is not None else value.replace(tzinfo=UTC)
+
+
+def _pin(row: ModelVersion) -> PinInfo:
+    assert row.pinned_at is not None
+    return PinInfo(row.model_line, row.version, row.pinned_by or "", row.pin_reason or "", _utc(row.pinned_at))
 
 
 def _info(row: ModelVersion) -> VersionInfo:
@@ -182,6 +219,14 @@ class Registry:
         with self._sessions() as session:
             return [_info(r) for r in session.scalars(query.order_by(ModelVersion.version))]
 
+    def pinned(self) -> PinInfo | None:
+        """The line's rollout pin, or None."""
+        query = select(ModelVersion).where(ModelVersion.model_line == self.model_line,
+                                           ModelVersion.pinned_at.is_not(None))
+        with self._sessions() as session:
+            row = session.scalars(query.limit(1)).first()
+            return _pin(row) if row is not None else None
+
     def transitions(self, version: int | None = None) -> list[dict[str, Any]]:
         """The audit log of this line (or of one version), oldest first."""
         query = select(VersionTransition).where(VersionTransition.model_line == self.model_line)
@@ -196,43 +241,119 @@ class Registry:
 
     # --- status --------------------------------------------------------------------------------
 
-    def set_status(self, version: int, status: str, reason: str, *, expect: str | None = None) -> VersionInfo:
+    def set_status(self, version: int, status: str, reason: str, *, expect: str | None = None,
+                   override_pin: bool = False) -> VersionInfo:
         """Move ``version`` to ``status`` (audited). Promoting to ``stable`` retires the previous
         stable version in the same transaction. Setting the current status again is a no-op.
         ``expect``: only from that status (compare-and-set, under the line's lock); otherwise
-        :class:`StatusChanged` and nothing changes."""
+        :class:`StatusChanged` and nothing changes. On a pinned line: :class:`LinePinned` unless
+        ``override_pin``, and always for a change that would unseat the pinned version."""
         _check_status(status)
         now = datetime.now(UTC)
         changed = False
         with self._sessions() as session, session.begin():
-            # Lock the whole line (PostgreSQL) so two promotions cannot both leave a stable version.
-            rows = session.scalars(
-                select(ModelVersion)
-                .where(ModelVersion.model_line == self.model_line)
-                .order_by(ModelVersion.version)
-                .with_for_update()
-            ).all()
+            rows = self._lock_line(session)
             target = next((r for r in rows if r.version == version), None)
             if target is None:
                 raise VersionNotFound(f"model line {self.model_line!r} has no version {version}")
+            pin = next((r for r in rows if r.pinned_at is not None), None)
+            if pin is not None and target.status != status:
+                held = _pin(pin)
+                if not override_pin:
+                    raise LinePinned(f"model line {self.model_line!r} is pinned to {held.describe()}; "
+                                     f"status changes are frozen until it is unpinned", held)
+                if status == "stable" or target is pin:  # another stable version, or the pinned one off stable
+                    raise LinePinned(f"model line {self.model_line!r} is pinned to {held.describe()}; "
+                                     f"move the pin (pin another version) or unpin first", held)
             if expect is not None and target.status != expect:
                 raise StatusChanged(f"version {version} is {target.status}, not {expect}")
             if target.status == status:
                 return _info(target)
             changed = True
-            if status == "stable":
-                for row in rows:
-                    if row.status == "stable" and row.version != version:
-                        why = f"superseded by v{version}"
-                        session.add(self._transition(row.version, "stable", "retired", why, now))
-                        row.status = "retired"
-            session.add(self._transition(version, target.status, status, reason, now))
-            target.status = status
+            self._move(session, rows, target, status, reason, now)
             session.flush()
             info = _info(target)
         if changed and self.announce is not None:
             self.announce(info)
         return info
+
+    def pin(self, version: int, *, by: str, reason: str = "", verify: bool = True) -> tuple[PinInfo, list[VersionInfo]]:
+        """Pin the line to ``version``: make it stable (unless it is), end a running canary (back to
+        ``candidate``), move an existing pin, all in one audited transaction. Any version but a
+        collected one; unless it is already stable its weights are first rebuilt and checked
+        against its hash (``verify``). Returns the pin and the versions whose status changed."""
+        info = self.get(version)
+        if info.status == "collected":
+            raise WeightsError(f"version {version} was garbage-collected; its weights are gone")
+        if verify and info.status != "stable":
+            self.load(version)  # raises WeightsError unless the weights rebuild to the recorded hash
+        now = datetime.now(UTC)
+        who = f"pinned by {by}" + (f": {reason}" if reason else "")
+        with self._sessions() as session, session.begin():
+            rows = self._lock_line(session)
+            target = next((r for r in rows if r.version == version), None)
+            if target is None:
+                raise VersionNotFound(f"model line {self.model_line!r} has no version {version}")
+            if target.status == "collected":  # collected meanwhile
+                raise WeightsError(f"version {version} was garbage-collected; its weights are gone")
+            changed: list[ModelVersion] = []
+            for row in rows:
+                if row is not target and row.pinned_at is not None:  # a moved pin: the row is retired below
+                    row.pinned_at, row.pinned_by, row.pin_reason = None, None, None
+                if row is not target and row.status == "canary":
+                    session.add(self._transition(row.version, "canary", "candidate",
+                                                 f"canary ended: line pinned to v{version} by {by}", now))
+                    row.status = "candidate"
+                    changed.append(row)
+            session.flush()  # the old pin is gone before the new one is written (the unique index)
+            if target.status != "stable":
+                self._move(session, rows, target, "stable", who, now, superseded=f"superseded by v{version} ({who})")
+                changed.append(target)
+            else:
+                session.add(self._transition(version, "stable", "stable", who, now))
+            target.pinned_at, target.pinned_by, target.pin_reason = now, by, reason
+            session.flush()
+            pin = _pin(target)
+            infos = [_info(r) for r in changed]
+        if self.announce is not None:
+            for changed_info in infos:
+                self.announce(changed_info)
+        return pin, infos
+
+    def unpin(self, *, by: str, reason: str = "") -> PinInfo | None:
+        """Lift the line's pin (audited); returns the pin lifted, or None when there was none."""
+        now = datetime.now(UTC)
+        with self._sessions() as session, session.begin():
+            rows = self._lock_line(session)
+            row = next((r for r in rows if r.pinned_at is not None), None)
+            if row is None:
+                return None
+            lifted = _pin(row)
+            why = f"unpinned by {by}" + (f": {reason}" if reason else "") + f" (pinned by {lifted.by})"
+            session.add(self._transition(row.version, row.status, row.status, why, now))
+            row.pinned_at, row.pinned_by, row.pin_reason = None, None, None
+        return lifted
+
+    def _lock_line(self, session: Session) -> list[ModelVersion]:
+        """Every row of the line, locked (PostgreSQL; SQLite transactions are BEGIN IMMEDIATE), so
+        two promotions cannot both leave a stable version and a pin never races a status change."""
+        return list(session.scalars(
+            select(ModelVersion)
+            .where(ModelVersion.model_line == self.model_line)
+            .order_by(ModelVersion.version)
+            .with_for_update()
+        ).all())
+
+    def _move(self, session: Session, rows: list[ModelVersion], target: ModelVersion, status: str, reason: str,
+              now: datetime, superseded: str | None = None) -> None:
+        if status == "stable":
+            for row in rows:
+                if row.status == "stable" and row is not target:
+                    why = superseded or f"superseded by v{target.version}"
+                    session.add(self._transition(row.version, "stable", "retired", why, now))
+                    row.status = "retired"
+        session.add(self._transition(target.version, target.status, status, reason, now))
+        target.status = status
 
     def _transition(self, version: int, old: str | None, new: str, reason: str, at: datetime) -> VersionTransition:
         return VersionTransition(

@@ -26,8 +26,11 @@ Invariants:
   reach the upstream or the bus; they get a 4xx OpenAI envelope naming the offending field.
 - Keys, prompts and completions are never logged at INFO or above.
 - Admin routes need an admin key (auth on) or a loopback caller (auth off): capture depth, tenant
-  pins, and the line's versions (``GET /admin/versions``; ``POST /admin/versions/{v}/promote`` and
-  ``.../rollback``, the same as ``flywheel rollout promote|rollback``).
+  pins, and the line's versions (``GET /admin/versions``; ``POST /admin/versions/{v}/promote``,
+  ``.../rollback`` and ``.../pin``, and ``POST /admin/unpin``, the same as ``flywheel rollout
+  promote|rollback|pin|unpin``; an optional JSON body ``{"reason": ..., "force": ...}``, where
+  ``force`` only applies to promote and rollback). A refused action is a 409 whose code says why
+  (``line_pinned``, ``not_pinned``, ``rollout_conflict``); the audit log names the admin key id.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, TypeVar
 
 import orjson
 from fastapi import FastAPI, Request
@@ -129,6 +132,23 @@ class PinRequest(BaseModel):
     version: int | None = Field(None, ge=0, le=2**31 - 1)
 
 
+class RolloutActionRequest(BaseModel):
+    """The optional body of ``POST /admin/versions/{v}/promote|rollback``."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    #: Added to the audited reason.
+    reason: str = Field("", max_length=1000, pattern=r"^[^\x00]*$")
+    #: On a pinned line: act anyway; the pin follows the new stable version (else 409 ``line_pinned``).
+    force: bool = False
+
+
+class LinePinRequest(BaseModel):
+    """The optional body of ``POST /admin/versions/{v}/pin`` and ``POST /admin/unpin``."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    reason: str = Field("", max_length=1000, pattern=r"^[^\x00]*$")
+
+
 class Gateway:
     """The serving class behind the routes; its clients are opened by :meth:`start`."""
 
@@ -184,14 +204,17 @@ class Gateway:
             return Principal("-", self.settings.gateway.default_tenant, "tenant", None)
         return await self.keys.authenticate(request.headers.get("authorization"))
 
-    async def admin(self, request: Request) -> None:
+    async def admin(self, request: Request) -> str:
+        """Refuses anyone but an admin; returns who it is, for audit logs."""
         if self.keys is None:
             host = request.client.host if request.client else ""
             if host not in ("127.0.0.1", "::1", "localhost", "testclient"):
                 raise APIError(403, "admin routes answer loopback callers only while gateway.auth is off",
                                code="admin_required")
-            return
-        require_admin(await self.keys.authenticate(request.headers.get("authorization")))
+            return f"admin API (loopback {host}, gateway.auth off)"
+        principal = await self.keys.authenticate(request.headers.get("authorization"))
+        require_admin(principal)
+        return f"admin API key {principal.key_id}"
 
     async def limit(self, principal: Principal) -> None:
         rpm = principal.rate_limit_rpm if principal.rate_limit_rpm is not None else self.settings.gateway.rate_limit_rpm
@@ -624,29 +647,38 @@ def create_app(settings: Settings, *, producer_factory: Callable[[], Any] | None
         return await asyncio.to_thread(lambda: json.loads(json.dumps(
             status_report(registry, gateway.sessions, settings.rollout), default=str)))
 
-    @app.post("/admin/versions/{version}/{action}")
+    @app.post("/admin/versions/{version}/{action}", openapi_extra=_optional_body_schema(RolloutActionRequest))
     async def admin_version_action(version: int, action: str, request: Request) -> dict[str, Any]:
-        """``promote`` or ``rollback`` a version, exactly as ``flywheel rollout promote|rollback``."""
-        await gateway.admin(request)
+        """``promote``, ``rollback`` or ``pin`` a version, exactly as ``flywheel rollout promote|rollback|pin``."""
+        who = await gateway.admin(request)
         from flywheel.weights.registry import VersionNotFound
-        from serving.rollout import RolloutError, announce, manual_promote, manual_rollback
+        from serving.rollout import RolloutError, announce, manual_pin, manual_promote, manual_rollback, pin_figures
 
-        if action not in ("promote", "rollback"):
-            raise APIError(404, f"unknown version action {action!r}; promote or rollback", code="not_found")
+        if action not in ("promote", "rollback", "pin"):
+            raise APIError(404, f"unknown version action {action!r}; promote, rollback or pin", code="not_found")
+        body = await _optional_body(request, LinePinRequest if action == "pin" else RolloutActionRequest)
         if not 0 <= version < 2**31:
             raise APIError(404, f"version {version} of {settings.model.line} is not in the registry",
                            param="version", code="version_not_found")
         registry = _registry(settings, gateway.sessions)
-        act = manual_promote if action == "promote" else manual_rollback
 
         def apply() -> dict[str, Any]:
-            changed = act(registry, version, "admin API")
+            pin = None
+            if isinstance(body, LinePinRequest):
+                pin, changed = manual_pin(registry, version, who, body.reason)
+            else:
+                act = manual_promote if action == "promote" else manual_rollback
+                note = f"{who}: {body.reason}" if body.reason else who
+                changed = act(registry, version, note, force=body.force, by=who)
             infos = [registry.get(v) for v in changed]
             try:
                 announce(settings, infos)
             except Exception as exc:  # the bus is down: the change stands (nodes follow the registry)
                 log.warning("version change not announced on the bus: %s", exc)
-            return {"changed": [{"version": i.version, "status": i.status} for i in infos]}
+            result: dict[str, Any] = {"changed": [{"version": i.version, "status": i.status} for i in infos]}
+            if pin is not None:
+                result["pin"] = pin_figures(pin)
+            return result
 
         try:
             result = await asyncio.to_thread(apply)
@@ -654,9 +686,23 @@ def create_app(settings: Settings, *, producer_factory: Callable[[], Any] | None
             raise APIError(404, f"version {version} of {settings.model.line} is not in the registry",
                            param="version", code="version_not_found") from None
         except RolloutError as exc:
-            raise APIError(409, str(exc), code="rollout_conflict") from None
+            raise APIError(409, str(exc), code=exc.code) from None
         await gateway.router.refresh()
         return result
+
+    @app.post("/admin/unpin", openapi_extra=_optional_body_schema(LinePinRequest))
+    async def admin_unpin(request: Request) -> dict[str, Any]:
+        """Lift the line's rollout pin, exactly as ``flywheel rollout unpin``."""
+        who = await gateway.admin(request)
+        from serving.rollout import RolloutError, manual_unpin, pin_figures
+
+        body = await _optional_body(request, LinePinRequest)
+        registry = _registry(settings, gateway.sessions)
+        try:
+            lifted = await asyncio.to_thread(manual_unpin, registry, who, body.reason)
+        except RolloutError as exc:
+            raise APIError(409, str(exc), code="not_pinned") from None
+        return {"unpinned": pin_figures(lifted)}
 
     @app.put("/admin/pins/{tenant}", openapi_extra=_body_schema(PinRequest))
     async def admin_set_pin(tenant: str, request: Request) -> dict[str, Any]:
@@ -698,7 +744,25 @@ def _registry(settings: Settings, sessions: Any) -> Any:
 
 
 _REF = "#/components/schemas/{model}"
+_Body = TypeVar("_Body", bound=BaseModel)
 _BODIES: list[type[BaseModel]] = []
+
+
+def _optional_body_schema(model: type[BaseModel]) -> dict[str, Any]:
+    """:func:`_body_schema` for a route whose body may be left out (every field has a default)."""
+    extra = _body_schema(model)
+    extra["requestBody"]["required"] = False
+    return extra
+
+
+async def _optional_body(request: Request, model: type[_Body]) -> _Body:
+    """The request body as ``model``; no body at all gives ``model()`` (its defaults)."""
+    if request.headers.get("content-length", "0") == "0" and "transfer-encoding" not in request.headers:
+        return model()
+    try:
+        return model.model_validate(await read_json_body(request, 4096))
+    except ValidationError as exc:
+        raise from_pydantic(exc) from None
 
 
 def _body_schema(model: type[BaseModel]) -> dict[str, Any]:

@@ -12,7 +12,7 @@ import torch
 
 from flywheel.settings import load_settings
 from flywheel.weights.codec import state_sha256
-from flywheel.weights.registry import Registry, VersionNotFound, WeightsError
+from flywheel.weights.registry import LinePinned, Registry, StatusChanged, VersionNotFound, WeightsError
 from flywheel.weights.store import FolderStore, InvalidKey, ObjectNotFound, S3Store, make_store
 
 pytestmark = pytest.mark.integration
@@ -242,6 +242,162 @@ def test_version_numbers_are_never_reused(sessions, store, rng: random.Random) -
     assert sorted(results) == list(range(2, 11))
     for version, state in states.items():
         assert_bit_exact(registry.load(version), state)
+
+
+# --- the rollout pin -------------------------------------------------------------------------------
+
+
+def _line(sessions, store, rng: random.Random, name: str, n: int,
+          full: bool = False) -> tuple[Registry, list[dict[str, torch.Tensor]]]:
+    """``n`` versions of ``name`` (deltas, or all ``full``): v0 stable, the others candidates."""
+    registry = Registry(sessions, store, name)
+    states = [make_state(rng)]
+    registry.publish(states[0], parent=None)
+    for v in range(1, n):
+        states.append(train_step(rng, states[-1]))
+        registry.publish(states[v], parent=v - 1, parent_state=states[v - 1], force_full=full)
+    registry.set_status(0, "stable", "bootstrap")
+    return registry, states
+
+
+def test_a_pin_holds_its_version_stable_and_freezes_status_changes(sessions, store, rng: random.Random) -> None:
+    woken: list[tuple[int, str]] = []
+    registry, _ = _line(sessions, store, rng, "line-pin", 4)
+    registry.announce = lambda info: woken.append((info.version, info.status))
+    registry.set_status(1, "canary", "canary 10%")
+    assert registry.pinned() is None
+
+    pin, changed = registry.pin(2, by="alice@ops", reason="incident 42")
+    assert (pin.model_line, pin.version, pin.by, pin.reason) == ("line-pin", 2, "alice@ops", "incident 42")
+    assert registry.pinned() == pin
+    # The canary went back to candidate (a pin is no verdict on it), v2 is stable, v0 retired.
+    assert {i.version: i.status for i in registry.versions()} == {0: "retired", 1: "candidate", 2: "stable",
+                                                                  3: "candidate"}
+    assert [(i.version, i.status) for i in changed] == [(1, "candidate"), (2, "stable")]
+    assert woken[-2:] == [(1, "candidate"), (2, "stable")]
+    trail = [(t["version"], t["from_status"], t["to_status"], t["reason"]) for t in registry.transitions()][-3:]
+    assert trail == [(1, "canary", "candidate", "canary ended: line pinned to v2 by alice@ops"),
+                     (0, "stable", "retired", "superseded by v2 (pinned by alice@ops: incident 42)"),
+                     (2, "candidate", "stable", "pinned by alice@ops: incident 42")]
+
+    # Every status change is refused, compare-and-set or not; nothing moved.
+    for version, status, expect in ((3, "stable", "candidate"), (3, "canary", None), (1, "rolled_back", None),
+                                    (2, "retired", "stable")):
+        with pytest.raises(LinePinned, match="pinned to v2 by alice@ops") as refused:
+            registry.set_status(version, status, "controller", expect=expect)
+        assert isinstance(refused.value, StatusChanged) and refused.value.pin == pin
+    assert registry.set_status(2, "stable", "no-op").status == "stable"  # its own status again: a no-op
+    # override_pin allows changes that leave the pinned version stable, and only those.
+    assert registry.set_status(1, "rolled_back", "forced", override_pin=True).status == "rolled_back"
+    for version, status in ((3, "stable"), (2, "retired")):
+        with pytest.raises(LinePinned, match="move the pin"):
+            registry.set_status(version, status, "forced", override_pin=True)
+    assert registry.latest("stable").version == 2 and registry.pinned() == pin
+
+    # Re-pinning moves the pin; pinning the stable version only records who/why.
+    moved, changed = registry.pin(3, by="bob@ops", reason="hotfix")
+    assert [(i.version, i.status) for i in changed] == [(3, "stable")]
+    assert registry.get(2).status == "retired" and registry.pinned() == moved
+    again, changed = registry.pin(3, by="carol@ops")
+    assert changed == [] and (again.by, again.reason) == ("carol@ops", "")
+    assert registry.transitions(3)[-1]["reason"] == "pinned by carol@ops"
+
+    lifted = registry.unpin(by="dave@ops", reason="resolved")
+    assert lifted == again and registry.pinned() is None and registry.unpin(by="dave@ops") is None
+    assert registry.transitions(3)[-1] == {**registry.transitions(3)[-1], "from_status": "stable",
+                                           "to_status": "stable",
+                                           "reason": "unpinned by dave@ops: resolved (pinned by carol@ops)"}
+    assert registry.set_status(0, "stable", "unfrozen").status == "stable"
+    assert sum(1 for i in registry.versions() if i.status == "stable") == 1
+
+
+def test_only_verifiable_versions_can_be_pinned(sessions, store, rng: random.Random) -> None:
+    registry, _ = _line(sessions, store, rng, "line-pv", 3, full=True)
+    with pytest.raises(VersionNotFound):
+        registry.pin(9, by="x")
+    key = registry.get(2).store_key
+    data = bytearray(store.get(key))
+    data[len(data) // 2] ^= 0x10
+    store.put(key, bytes(data))
+    with pytest.raises(WeightsError, match="version 2"):
+        registry.pin(2, by="x")
+    assert registry.pinned() is None and registry.get(2).status == "candidate"
+    registry.set_status(1, "stable", "ok")
+    registry.collect(keep_rollback=0)  # v0 (retired, nobody needs it) is collected
+    assert registry.get(0).status == "collected"
+    with pytest.raises(WeightsError, match="garbage-collected"):
+        registry.pin(0, by="x")
+    pin, _ = registry.pin(1, by="x")  # the stable one: no reload needed
+    assert pin.version == 1
+    assert 1 in registry.needed(keep_rollback=0)
+
+
+def test_a_pin_survives_a_restart_and_the_database_keeps_one_per_line(migrated_db_url, store, rng) -> None:
+    from sqlalchemy import update
+    from sqlalchemy.exc import IntegrityError
+
+    from flywheel.db.models import ModelVersion
+    from flywheel.db.session import make_engine, make_session_factory
+
+    engine = make_engine(migrated_db_url)
+    registry, _ = _line(make_session_factory(engine), store, rng, "line-pr", 3)
+    pin, _ = registry.pin(1, by="alice@ops", reason="freeze")
+    engine.dispose()  # the process is gone
+
+    engine = make_engine(migrated_db_url)
+    try:
+        sessions = make_session_factory(engine)
+        again = Registry(sessions, store, "line-pr")
+        assert again.pinned() == pin and again.latest("stable").version == 1
+        with pytest.raises(LinePinned):
+            again.set_status(2, "stable", "after the restart")
+        with pytest.raises(IntegrityError):  # a second pinned row on the line: refused by the database itself
+            with sessions() as db, db.begin():
+                db.execute(update(ModelVersion).where(ModelVersion.model_line == "line-pr", ModelVersion.version == 2)
+                           .values(pinned_at=pin.at, pinned_by="mallory"))
+        assert Registry(sessions, store, "line-other").pinned() is None  # pins are per line
+    finally:
+        engine.dispose()
+
+
+def test_pins_and_compare_and_set_promotions_never_interleave(sessions, store, rng: random.Random) -> None:
+    """Threads pinning, unpinning and promoting by compare-and-set at once: afterwards (and after
+    every operation) the line has one stable version, the pinned one when pinned."""
+    registry, _ = _line(sessions, store, rng, "line-pc", 6)
+    errors: list[BaseException] = []
+    seeds = [rng.getrandbits(32) for _ in range(4)]
+
+    def worker(seed: int) -> None:
+        local, r = Registry(sessions, store, "line-pc"), random.Random(seed)
+        try:
+            for _ in range(12):
+                op, version = r.choice(["pin", "unpin", "promote", "promote"]), r.randrange(6)
+                if op == "pin":
+                    local.pin(version, by=f"w{seed}")
+                elif op == "unpin":
+                    local.unpin(by=f"w{seed}")
+                else:
+                    info = local.get(version)
+                    try:
+                        local.set_status(version, "stable", "cas", expect=info.status)
+                    except StatusChanged:
+                        pass  # pinned, or moved meanwhile: refused as designed
+                versions = local.versions()
+                assert sum(1 for i in versions if i.status == "stable") == 1, versions
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(seed,)) for seed in seeds]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    pin = registry.pinned()
+    stable = registry.latest("stable")
+    assert stable is not None and (pin is None or pin.version == stable.version)
+    pinned_rows = [t for t in registry.transitions() if t["reason"].startswith("pinned by")]
+    assert pinned_rows, "the workers never pinned: the test proves nothing"
 
 
 # --- store --------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ the canary's evidence is real ``generations`` and ``feedback`` rows, inserted as
 
 from __future__ import annotations
 
+import json
 import random
 import uuid
 from datetime import UTC, datetime, timedelta
@@ -21,7 +22,9 @@ from flywheel.events import VersionEvent
 from flywheel.settings import RolloutSettings, load_settings
 from flywheel.weights.registry import Registry
 from flywheel.weights.store import FolderStore
-from serving.rollout import manual_promote, manual_rollback, RolloutError, step
+from serving.rollout import (
+    Pinned, RolloutError, manual_pin, manual_promote, manual_rollback, manual_unpin, step, tick,
+)
 from tests.integration.test_registry import make_state, train_step
 
 pytestmark = pytest.mark.integration
@@ -203,3 +206,180 @@ def test_the_cli_commands(registry, sessions, migrated_db_url, tmp_path, capsys)
     assert dispatch(parser.parse_args(["rollout", "rollback", str(v1)]), settings) == 1
     assert dispatch(parser.parse_args(["rollout", "promote"]), settings) == 2
     assert parser.parse_args(["rollout"]).action is None  # no action: the controller loop
+
+
+# --- pinned lines -----------------------------------------------------------------------------------
+
+
+def test_a_pinned_line_neither_canaries_nor_promotes_a_passing_candidate_until_unpinned(registry, sessions):
+    v1 = publish(registry, {"parity": 0.001})
+    pin, changed = manual_pin(registry, 0, "alice@ops", "release freeze")
+    assert changed == [] and registry.pinned() == pin  # v0 was stable already: only frozen
+    for policy in (POLICY, POLICY.model_copy(update={"canary_fraction": 0.0})):
+        d = step(registry, sessions, policy)
+        assert (d.action, d.version, d.changed) == ("pinned", 0, False)
+        assert "pinned to v0 by alice@ops" in d.reason and "release freeze" in d.reason and f"v{v1}" in d.reason
+        assert d.figures["held"] == [v1]
+    assert tick(registry, rollout=POLICY) is None and tick(registry) is None
+    assert statuses(registry) == {0: "stable", v1: "candidate"}
+
+    lifted = manual_unpin(registry, "bob@ops", "freeze over")
+    assert lifted == pin and registry.pinned() is None
+    d = step(registry, sessions, POLICY)
+    assert (d.action, d.version) == ("canary", v1)  # resumes where it would have been
+    with pytest.raises(RolloutError, match="not pinned"):
+        manual_unpin(registry, "bob@ops")
+
+
+def test_pinning_ends_a_running_canary_and_unpinning_starts_a_fresh_one(registry, sessions):
+    v1 = publish(registry)
+    assert step(registry, sessions, POLICY).action == "canary"
+    serve(sessions, 0, 300)
+    serve(sessions, v1, 300)  # enough, and equal: the next tick would promote
+    _, changed = manual_pin(registry, 0, "alice@ops", "incident 7")
+    assert changed == [v1] and statuses(registry) == {0: "stable", v1: "candidate"}
+    assert registry.transitions(v1)[-1]["reason"] == "canary ended: line pinned to v0 by alice@ops"
+    assert step(registry, sessions, POLICY).action == "pinned"
+    assert statuses(registry) == {0: "stable", v1: "candidate"}
+
+    manual_unpin(registry, "alice@ops")
+    assert step(registry, sessions, POLICY).action == "canary"
+    d = step(registry, sessions, POLICY)  # a new window: the old canary's generations predate it
+    assert d.action == "wait" and "samples canary 0" in d.reason
+
+
+def test_pinning_another_version_makes_it_stable_and_the_pin_follows_forced_actions(registry, sessions):
+    v1, v2, v3 = publish(registry), publish(registry), publish(registry)
+    manual_promote(registry, v2)
+    pin, changed = manual_pin(registry, v1, "alice@ops", "v2 misbehaves")  # back to an older, never-stable one
+    assert changed == [v1] and statuses(registry) == {0: "retired", v1: "stable", v2: "retired", v3: "candidate"}
+    assert step(registry, sessions, POLICY).action == "pinned"  # v3 is newer than stable: held back
+
+    with pytest.raises(Pinned, match=f"pinned to v{v1} by alice@ops .*v2 misbehaves.*promote is refused"):
+        manual_promote(registry, v3)
+    with pytest.raises(Pinned, match="rollback is refused"):
+        manual_rollback(registry, v1)
+    assert statuses(registry)[v3] == "candidate" and registry.pinned() == pin
+
+    assert manual_promote(registry, v3, "hotfix", force=True, by="bob@ops") == [v3]
+    moved = registry.pinned()
+    assert (moved.version, moved.by) == (v3, "bob@ops") and "forced promote (was candidate): hotfix" in moved.reason
+    # A forced rollback of the pinned version restores previous_stable (the newest formerly stable
+    # version not rolled back: v2) and pins it.
+    assert manual_rollback(registry, v3, force=True, by="carol@ops") == [v2, v3]
+    assert statuses(registry) == {0: "retired", v1: "retired", v2: "stable", v3: "rolled_back"}
+    assert registry.pinned().version == v2 and registry.pinned().by == "carol@ops"
+    assert step(registry, sessions, POLICY).action == "pinned"
+
+
+class _PinBlindRegistry(Registry):
+    """A controller that read the registry just before an operator pinned the line."""
+
+    def pinned(self):
+        return None
+
+
+def test_a_decision_taken_before_a_pin_is_not_applied_after_it(registry, sessions):
+    v1 = publish(registry)
+    blind = _PinBlindRegistry(sessions, registry.store, LINE)
+    manual_pin(registry, 0, "alice@ops")
+    d = step(blind, sessions, POLICY)  # decides "canary" on a stale view; the compare-and-set refuses it
+    assert (d.action, d.changed) == ("none", False) and "pinned to v0 by alice@ops" in d.reason
+    assert statuses(registry) == {0: "stable", v1: "candidate"}
+
+
+def test_a_pin_survives_a_restart_of_every_process(registry, migrated_db_url, tmp_path):
+    """``flywheel rollout pin`` in one process, ``status`` in another, the controller in a third
+    (this one, on a fresh engine): the pin is the database's, no process's."""
+    import subprocess
+    import sys
+
+    from flywheel.db.session import make_engine, make_session_factory
+
+    v1 = publish(registry)
+    config = tmp_path / "flywheel.json"
+    config.write_text(json.dumps({
+        "data_dir": str(tmp_path / "data"), "db": {"url": migrated_db_url}, "model": {"line": LINE},
+        "store": {"path": str(tmp_path / "store")}, "bus": {"topic_prefix": f"t{uuid.uuid4().hex[:8]}."},
+        "rollout": POLICY.model_dump()}))
+
+    def cli(*argv: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "flywheel.cli", "--config", str(config), "rollout", *argv],
+                              capture_output=True, text=True, timeout=120, cwd=Path(__file__).parents[2])
+
+    pinned = cli("pin", "0", "--reason", "survives")
+    assert pinned.returncode == 0, pinned.stderr
+    shown = cli("status")
+    assert shown.returncode == 0, shown.stderr
+    assert "pinned to v0 by " in shown.stdout and ": survives" in shown.stdout
+    assert "next decision: pinned v0" in shown.stdout and f"holding back candidates v{v1}" in shown.stdout
+
+    engine = make_engine(migrated_db_url)
+    try:
+        sessions = make_session_factory(engine)
+        again = Registry(sessions, FolderStore(tmp_path / "store"), LINE)
+        pin = again.pinned()
+        assert (pin.version, pin.reason) == (0, "survives") and "@" in pin.by
+        assert step(again, sessions, POLICY).action == "pinned"
+        assert statuses(again) == {0: "stable", v1: "candidate"}
+    finally:
+        engine.dispose()
+
+
+def _settings(migrated_db_url: str, tmp_path: Path):
+    return load_settings(data_dir=str(tmp_path / "data"), db={"url": migrated_db_url}, model={"line": LINE},
+                         store={"path": str(tmp_path / "store")}, bus={"topic_prefix": f"t{uuid.uuid4().hex[:8]}."},
+                         rollout=POLICY.model_dump())
+
+
+def test_the_pin_cli_commands_and_their_exit_codes(registry, sessions, migrated_db_url, tmp_path, capsys):
+    settings = _settings(migrated_db_url, tmp_path)
+    other = Registry(sessions, registry.store, "other-line")
+    rng = random.Random(3)
+    other.ensure_base(make_state(rng), reason="other base")
+    for _ in range(4):
+        other.publish(make_state(rng), parent=None)
+    v1 = publish(registry)
+    parser = build_parser()
+
+    def run(*argv: str) -> tuple[int, str, str]:
+        code = dispatch(parser.parse_args(["rollout", *argv]), settings)
+        out = capsys.readouterr()
+        return code, out.out, out.err
+
+    code, _, err = run("pin", "99")
+    assert code == 1 and f"model line '{LINE}' has no version 99" in err
+    code, _, err = run("pin", "4")  # only the other line has a v4
+    assert code == 1 and "has no version 4 (model lines with a v4: other-line; this command acts on model.line)" in err
+    code, _, err = run("pin", "other-line:1")
+    assert code == 1 and "v1 of model line 'other-line' is not this deployment's: model.line is 'roll-line'" in err
+    assert run("unpin")[0:3:2] == (1, f"flywheel rollout unpin: model line '{LINE}' is not pinned\n")
+    assert run("unpin", "1")[0] == 2
+    assert run("pin")[0] == 2
+    with pytest.raises(SystemExit) as usage:
+        parser.parse_args(["rollout", "pin", "latest"])
+    assert usage.value.code == 2
+    assert registry.pinned() is None and other.pinned() is None
+
+    code, out, _ = run("pin", f"{LINE}:0", "--reason", "freeze")
+    assert code == 0 and "pinned to v0 by " in out and ": freeze" in out
+    pin = registry.pinned()
+    assert pin.version == 0 and "@" in pin.by and pin.reason == "freeze"
+    code, out, _ = run("status")
+    assert code == 0 and f"pinned to v0 by {pin.by}" in out and "next decision: pinned v0" in out
+    assert f"v{v1}" in out and "(automatic rollout frozen" in out
+    code, _, err = run("promote", str(v1))
+    assert code == 1 and "is pinned to v0" in err and "--force" in err and "unpin" in err
+    code, _, err = run("rollback", "0")
+    assert code == 1 and "rollback is refused while pinned" in err
+    assert statuses(registry) == {0: "stable", v1: "candidate"}
+    assert dispatch(parser.parse_args(["rollout", "status", "--json"]), settings) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["pin"]["version"] == 0 and report["next_decision"]["action"] == "pinned"
+
+    code, out, _ = run("promote", f"v{v1}", "--force", "--reason", "hotfix")
+    assert code == 0 and f"v{v1}: stable" in out and f"pinned to v{v1}" in out
+    code, out, _ = run("unpin", "--reason", "done")
+    assert code == 0 and f"unpinned {LINE} (was pinned to v{v1}" in out
+    assert registry.pinned() is None
+    assert "unpinned by" in registry.transitions(v1)[-1]["reason"]

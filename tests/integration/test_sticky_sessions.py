@@ -329,6 +329,43 @@ def test_admin_version_routes_promote_and_roll_back_and_the_fleet_follows(stack)
     assert stack.registry.latest("stable").version == 0
 
 
+def test_pinning_the_line_ends_the_canary_for_new_sessions_and_freezes_the_controller(stack):
+    from serving.rollout import step
+
+    url = f"{stack.gateway}/admin/versions"
+    v1 = stack.publish("canary")
+    stack.wait_fleet(stable=0, canary=v1, held={0, v1})
+    canary_side = [f"pin-{i}" for i in range(200) if canary_bucket(TENANT, f"pin-{i}") < 0.5]
+    assert stack.served(canary_side[0])[1] == v1  # the canary gets its share before the pin
+
+    r = stack.http.post(f"{url}/0/pin", json={"reason": "incident 42"})
+    assert r.status_code == 200, r.text
+    assert r.json()["changed"] == [{"version": v1, "status": "candidate"}]
+    assert (r.json()["pin"]["version"], r.json()["pin"]["reason"]) == (0, "incident 42")
+    wait_until("the router to drop the canary", lambda: stack.live_versions()["canary"] is None, timeout_s=20)
+    pinned = [stack.served(s) for s in canary_side[1:9]]  # new sessions that the canary would have had
+    assert [v for _, v, _ in pinned] == [0] * 8
+
+    # The controller, ticking on the registry, changes nothing while pinned; manual moves are refused.
+    decision = step(stack.registry, stack.registry.sessions, stack.settings.rollout)
+    assert (decision.action, decision.version) == ("pinned", 0) and "incident 42" in decision.reason
+    r = stack.http.post(f"{url}/{v1}/promote", json={"reason": "ship"})
+    assert r.status_code == 409 and r.json()["error"]["code"] == "line_pinned", r.text
+    assert "pinned to v0 by admin API (loopback" in r.json()["error"]["message"]
+    listed = stack.http.get(url).json()
+    assert listed["pin"]["version"] == 0 and listed["next_decision"]["action"] == "pinned"
+    assert {v["version"]: v["status"] for v in listed["versions"]} == {0: "stable", v1: "candidate"}
+
+    r = stack.http.post(f"{stack.gateway}/admin/unpin", json={"reason": "resolved"})
+    assert r.status_code == 200 and r.json()["unpinned"]["version"] == 0, r.text
+    assert stack.http.post(f"{stack.gateway}/admin/unpin").status_code == 409  # nothing left to lift
+    assert step(stack.registry, stack.registry.sessions, stack.settings.rollout).action == "canary"
+    stack.wait_fleet(stable=0, canary=v1, held={0, v1})
+    resumed = stack.served(canary_side[9])
+    assert resumed[1] == v1
+    stack.check_captured(pinned + [resumed])
+
+
 def test_the_openai_sdk_lists_the_model_with_its_live_versions(stack):
     stack.publish("canary")
     stack.wait_fleet(stable=0, canary=1, held={0, 1})

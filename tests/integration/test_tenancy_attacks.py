@@ -331,7 +331,9 @@ def test_admin_routes_need_the_admin_key(env):
     routes = [("GET", "/admin/capture", None), ("GET", "/admin/pins", None),
               ("PUT", "/admin/pins/acme", {"version": 9}), ("PUT", "/admin/pins/evil", {"version": None}),
               ("GET", "/admin/versions", None), ("POST", "/admin/versions/3/promote", None),
-              ("POST", "/admin/versions/0/rollback", None)]
+              ("POST", "/admin/versions/0/rollback", None), ("POST", "/admin/versions/3/pin", {"reason": "mine now"}),
+              ("POST", "/admin/versions/3/pin", None), ("POST", "/admin/unpin", None),
+              ("POST", "/admin/unpin", {"reason": "let me promote"})]
     with env.as_("admin") as admin:
         assert admin.put("/admin/pins/evil", json={"version": 2}).status_code == 200
     for method, path, body in routes:
@@ -343,8 +345,18 @@ def test_admin_routes_need_the_admin_key(env):
                 assert err["code"] == "admin_required" and err["type"] == "permission_error"
     with env.as_("admin") as admin:
         assert admin.get("/admin/pins").json() == {"pins": {"evil": 2}}  # no refused PUT changed anything
-        statuses = {v["version"]: v["status"] for v in admin.get("/admin/versions").json()["versions"]}
-        assert "stable" not in statuses.values()  # no refused promote changed anything
+        listed = admin.get("/admin/versions").json()
+        statuses = {v["version"]: v["status"] for v in listed["versions"]}
+        assert "stable" not in statuses.values()  # no refused promote or pin changed anything
+        assert listed["pin"] is None
+        # The admin gets past auth to the registry's own answers: v3's weights are not in the store
+        # (so it cannot be pinned: nothing unverifiable is pinned), and nothing is pinned to lift.
+        err = _error(admin.post("/admin/versions/3/pin", json={"reason": "try"}), 409)
+        assert err["code"] == "rollout_conflict" and "cannot pin v3" in err["message"]
+        assert _error(admin.post("/admin/unpin"), 409)["code"] == "not_pinned"
+        assert _error(admin.post("/admin/versions/99/pin"), 404)["code"] == "version_not_found"
+        assert _error(admin.post("/admin/versions/3/pin", json={"reason": 5}), 400)["param"] == "reason"
+        assert admin.get("/admin/versions").json()["pin"] is None
         assert admin.get("/admin/capture").status_code == 200
     # A revoked admin key is just another refused key.
     admin_id, admin_key = env.new_key("ops", role="admin")
