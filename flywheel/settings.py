@@ -231,6 +231,10 @@ class TrainerSettings(_Section):
     lora_rank: int = Field(0, ge=0)
     lora_alpha: float = Field(16.0, gt=0)
     lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+    #: Where the trainer computes: cpu, cuda (this rank's GPU; bf16 compute, fp32 master) or auto.
+    device: Literal["cpu", "cuda", "auto"] = "cpu"
+    #: Under torchrun (trainer/distributed.py): FSDP2 where this torch has it (auto), or DDP.
+    parallel: Literal["auto", "fsdp2", "ddp"] = "auto"
     #: Samples whose behaviour version is more than this many versions old are dropped.
     max_staleness: int = Field(4, ge=0)
     clip_eps: float = Field(0.2, gt=0)

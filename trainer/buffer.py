@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections import Counter, OrderedDict, deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -298,6 +298,12 @@ class Batch:
     mask: torch.Tensor  # float32, 1 on trainable tokens
     advantages: torch.Tensor  # float32
     row_sample: torch.Tensor  # int64
+
+    def to(self, device: torch.device) -> "Batch":
+        """This batch on ``device`` (itself when it is there already)."""
+        if self.tokens.device == device:
+            return self
+        return Batch(*(getattr(self, f.name).to(device) for f in fields(self)))
 
 
 def collate(samples: Sequence[ScoredTrajectory], baselines: Sequence[float]) -> Batch:

@@ -49,6 +49,7 @@ offsets -> cleanup.
 
 from __future__ import annotations
 
+import copy
 import logging
 import secrets
 import threading
@@ -70,7 +71,8 @@ from flywheel.weights.codec import state_sha256
 from flywheel.weights.registry import Registry, State, VersionInfo
 from flywheel.weights.store import make_store
 from trainer import checkpoint
-from trainer.buffer import OffsetTracker, SampleBuffer, behaviour_version, collate
+from trainer.buffer import OffsetTracker, SampleBuffer, behaviour_version, collate, sample_tokens
+from trainer.distributed import SINGLE, Dist, placeholder_batch
 from trainer.loss import policy_loss, turn_values
 from trainer.policy import Policy
 
@@ -82,54 +84,86 @@ MAX_GRAD_NORM = 1.0
 
 
 def train(settings: Settings, stop: threading.Event | None = None) -> None:
-    """Train until ``stop`` is set (see the module docstring)."""
+    """Train until ``stop`` is set (see the module docstring); under torchrun, every rank calls it."""
     stop = stop or threading.Event()
     cfg = settings.trainer
-
-    # --- setup -----------------------------------------------------------------------------------
     torch.set_num_threads(settings.torch_threads)
-    engine = open_database(settings.database_url, settings.db.wait_s)
-    registry = Registry(make_session_factory(engine), make_store(settings), settings.model.line, full_every=cfg.full_every)
     torch.manual_seed(cfg.seed)
+    device = "cuda" if cfg.device == "auto" and torch.cuda.is_available() else cfg.device.replace("auto", "cpu")
+    dist = Dist.from_env(device, wrapper=cfg.parallel)
+    try:
+        _train(settings, stop, dist)
+    finally:
+        dist.close()
+
+
+def _train(settings: Settings, stop: threading.Event, dist: Dist) -> None:
+    cfg = settings.trainer
+
+    # --- setup: every rank builds the model; rank 0 finds its weights (checkpoint or registry) ----
     model_path = Path(settings.model.path) if settings.model.path else ensure_default_model(settings.data_path / "models")
     model, _tokenizer = load_model(model_path)  # fp32 master; eval: no dropout, the function the engine served
-    reference = load_model(model_path)[0].requires_grad_(False) if cfg.kl_coef > 0 else None
+    reference = load_model(model_path)[0].requires_grad_(False).to(dist.device) if cfg.kl_coef > 0 else None
     vocab_size = model.get_input_embeddings().num_embeddings
     policy = Policy(model, cfg)
-    ckpt_dir = checkpoint.checkpoint_dir(settings)
-    resumed = checkpoint.load_latest(ckpt_dir, settings.model.line)
-    if resumed is None:
-        latest = registry.latest()
-        while latest is None:  # the node (or `flywheel up`) registers the base model as version 0
-            log.info("waiting for a first version of %s in the registry", settings.model.line)
-            if stop.wait(2.0):
-                engine.dispose()
-                return
+    engine = registry = resumed = published = None
+    current = step = 0
+    if dist.is_main:
+        engine = open_database(settings.database_url, settings.db.wait_s)
+        registry = Registry(make_session_factory(engine), make_store(settings), settings.model.line, full_every=cfg.full_every)
+        ckpt_dir = checkpoint.checkpoint_dir(settings)
+        resumed = checkpoint.load_latest(ckpt_dir, settings.model.line)
+        if resumed is None:
             latest = registry.latest()
-        current, step = latest.version, latest.train_step or 0
-        published = registry.load(current)  # the bf16 weights of the version being trained
-        policy.load_published(published)
-    else:
-        policy.load_master(resumed.model)
-        step = resumed.step
-    optimizer = torch.optim.AdamW(policy.trainable(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+            while latest is None and not stop.is_set():  # the node (or `flywheel up`) registers version 0
+                log.info("waiting for a first version of %s in the registry", settings.model.line)
+                stop.wait(2.0)
+                latest = registry.latest()
+            if latest is not None:
+                current, step = latest.version, latest.train_step or 0
+                published = registry.load(current)  # the bf16 weights of the version being trained
+                policy.load_published(published)
+        else:
+            policy.load_master(resumed.model)
+            step = resumed.step
+    start = dist.broadcast_object(
+        None if dist.is_main and resumed is None and published is None
+        else {"step": step, "scheduler": None if resumed is None else resumed.scheduler})
+    if start is None:  # stopped while waiting for a first version
+        if engine is not None:
+            engine.dispose()
+        return
+    step = start["step"]
+    # Rank 0 exports versions from a plain replica (sharded parameters cannot be exported in place).
+    exporter = copy.deepcopy(policy) if dist.enabled and dist.is_main else policy
+    model = dist.wrap(policy.model)  # every rank starts from rank 0's weights
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr,
+                                  weight_decay=cfg.weight_decay)
     # Adam's first steps move every weight by a full lr (its moment estimates are fresh), which
     # would flip most bf16 elements at once; a linear warm-up keeps the first deltas small too.
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: min(1.0, (i + 1) / cfg.warmup_steps))
+    if start["scheduler"] is not None:
+        dist.load_optimizer_state(model, optimizer, resumed.optimizer if resumed is not None else {})
+        scheduler.load_state_dict(start["scheduler"])
+
+    if not dist.is_main:
+        _follow(dist, model, optimizer, scheduler, reference, cfg)
+        return
+
+    # --- rank 0 from here: the buffer, the bus, the registry -------------------------------------
+    assert registry is not None and engine is not None
     # Sync mode trains on-policy only: anything not served by the version being trained is stale.
     buffer = SampleBuffer(0 if cfg.mode == "sync" else cfg.max_staleness)
     offsets = OffsetTracker()
     if resumed is not None:
-        optimizer.load_state_dict(resumed.optimizer)
-        scheduler.load_state_dict(resumed.scheduler)
         buffer.load_state_dict(resumed.buffer)
         offsets.load_state_dict(resumed.offsets)
         info = checkpoint.find_published(registry, resumed)
         if info is None:  # the crash came between checkpoint and publish: publish it now
-            info = publish(registry, policy, resumed, registry.load(resumed.parent))
-        elif info.sha256 != state_sha256(policy.export()):
+            info = publish(registry, exporter, resumed, registry.load(resumed.parent))
+        elif info.sha256 != state_sha256(exporter.export()):
             raise checkpoint.CheckpointError(f"v{info.version} carries the checkpoint's token but not its weights")
-        current, published = info.version, policy.export()
+        current, published = info.version, exporter.export()
         log.info("resumed from checkpoint at step %d as v%d (%d samples buffered)", step, current, len(buffer))
     window: list[dict[str, Any]] = []  # per-step metrics since the last published version
     trained_ids: list[str] = []  # trajectories trained since the last published version
@@ -139,34 +173,43 @@ def train(settings: Settings, stop: threading.Event | None = None) -> None:
     topic = settings.topic("scored")
     bus.ensure_topics([topic])
     consumer = bus.consumer(settings.group("trainer"), [topic])
-    log.info("training %s (%s, %s) from v%d (step %d), lr=%g, batch %d",
-             settings.model.line, cfg.mode, f"LoRA r={cfg.lora_rank}" if policy.lora else "full", current, step,
-             cfg.lr, cfg.batch_size)
+    log.info("training %s (%s, %s, %d rank(s) %s on %s) from v%d (step %d), lr=%g, batch %d",
+             settings.model.line, cfg.mode, f"LoRA r={cfg.lora_rank}" if policy.lora else "full", dist.world_size,
+             dist.wrapper, dist.device, current, step, cfg.lr, cfg.batch_size)
 
     def publish_point() -> None:
         """Checkpoint -> publish -> commit (crash windows: trainer.checkpoint)."""
         nonlocal current, published, window, trained_ids, last_publish
+        master, optimizer_state = _full_states(dist, model, optimizer)
+        if exporter is not policy:
+            exporter.load_master(master)
         done = offsets.committable()
         ckpt = checkpoint.Checkpoint(
             model_line=settings.model.line, step=step, parent=current,
             parent_sha256=registry.get(current).sha256, publish_token=secrets.token_hex(16),
             metrics={**summarise(window, buffer.counters()), "trajectory_ids": trained_ids},
-            model=policy.master_state(), optimizer=optimizer.state_dict(), scheduler=scheduler.state_dict(),
+            model=master, optimizer=optimizer_state, scheduler=scheduler.state_dict(),
             buffer=buffer.state_dict(), offsets=offsets.state_dict(),
         )
         checkpoint.save(ckpt_dir, ckpt, keep=cfg.keep_checkpoints)
-        info = publish(registry, policy, ckpt, published)
-        current, published, window, trained_ids = info.version, policy.export(), [], []
+        info = publish(registry, exporter, ckpt, published)
+        current, published, window, trained_ids = info.version, exporter.export(), [], []
         last_publish = time.monotonic()
         if done:
             consumer.commit(done)
         for entry in buffer.purge_stale(current):
             offsets.done(entry.record)
 
-    # --- loop ------------------------------------------------------------------------------------
+    # --- loop: consume -> buffer -> step (every rank) -> publish point ----------------------------
+    # Each turn rank 0 tells the other ranks what to do (idle, step, publish, stop), so they never
+    # wait in a collective for longer than a poll.
+    busy = False
     try:
-        while not stop.is_set():
-            for record in consumer.poll(timeout_s=POLL_TIMEOUT_S, max_records=MAX_RECORDS):
+        while True:
+            if stop.is_set():
+                dist.broadcast_object(("stop",))
+                break
+            for record in consumer.poll(timeout_s=0.0 if busy else POLL_TIMEOUT_S, max_records=MAX_RECORDS):
                 if not offsets.track(record):
                     continue  # redelivered after a restart; the checkpoint holds its fate
                 try:
@@ -184,18 +227,27 @@ def train(settings: Settings, stop: threading.Event | None = None) -> None:
             for entry in buffer.purge_stale(current):
                 offsets.done(entry.record)
 
-            while not stop.is_set() and (batch := buffer.take(cfg.batch_size, cfg.batch_tokens)):
+            batch = buffer.take(cfg.batch_size, cfg.batch_tokens)
+            busy = bool(batch)
+            timed_out = cfg.publish_every_s > 0 and time.monotonic() - last_publish >= cfg.publish_every_s
+            if batch:
                 samples = [e.sample for e in batch]
-                window.append(train_step(policy.model, optimizer, samples, current, cfg,
-                                         reference=reference, measure_parity=not window))
+                due = (step + 1) % cfg.steps_per_version == 0 or timed_out
+                dist.broadcast_object(("step", [s.to_bytes() for s in samples], current, not window, due))
+                window.append(train_step(model, optimizer, samples, current, cfg, reference=reference,
+                                         measure_parity=not window, dist=dist))
                 scheduler.step()
                 step += 1
                 trained_ids += [s.trajectory_id for s in samples]
                 for entry in batch:
                     offsets.done(entry.record)
-                if step % cfg.steps_per_version == 0:
-                    publish_point()
-            if window and cfg.publish_every_s > 0 and time.monotonic() - last_publish >= cfg.publish_every_s:
+            elif window and timed_out:
+                due = True
+                dist.broadcast_object(("publish",))
+            else:
+                due = False
+                dist.broadcast_object(("idle",))
+            if due:
                 publish_point()
     finally:
         # --- cleanup -----------------------------------------------------------------------------
@@ -203,6 +255,28 @@ def train(settings: Settings, stop: threading.Event | None = None) -> None:
         consumer.close()
         bus.close()
         engine.dispose()
+
+
+def _follow(dist: Dist, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
+            reference: torch.nn.Module | None, cfg: TrainerSettings) -> None:
+    """Ranks other than 0: do what rank 0 says, until it says stop."""
+    while True:
+        command = dist.broadcast_object(None)
+        if command[0] == "stop":
+            return
+        if command[0] == "step":
+            _, raw, version, measure_parity, due = command
+            samples = [ScoredTrajectory.from_bytes(b) for b in raw]
+            train_step(model, optimizer, samples, version, cfg, reference=reference, measure_parity=measure_parity,
+                       dist=dist)
+            scheduler.step()
+        if command[0] == "publish" or (command[0] == "step" and due):
+            _full_states(dist, model, optimizer)
+
+
+def _full_states(dist: Dist, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """The whole fp32 master and optimizer state on rank 0 (``{}`` elsewhere); every rank calls it."""
+    return dist.full_state_dict(model), dist.optimizer_state_dict(model, optimizer)
 
 
 def publish(registry: Registry, policy: Policy, ckpt: checkpoint.Checkpoint, parent_state: State) -> VersionInfo:
@@ -262,52 +336,62 @@ def train_step(
     *,
     reference: torch.nn.Module | None = None,
     measure_parity: bool = False,
+    dist: Dist = SINGLE,
 ) -> dict[str, Any]:
     """One optimizer step on ``samples`` (micro-batched by ``cfg.micro_batch_tokens``, gradients
     accumulated, the loss a token mean over the whole step); returns its metrics: loss terms,
     ``staleness`` (samples by versions behind ``current_version``) and, when asked and measurable,
-    ``parity``/``parity_p99``/``parity_max`` over the on-policy trainable tokens."""
-    values = turn_values(samples)
+    ``parity``/``parity_p99``/``parity_max`` over the on-policy trainable tokens.
+
+    Under torchrun every rank calls it with the whole batch and trains its share
+    (trainer/distributed.py has the rules: placeholder passes, the global token count, the
+    gradient scale); the result equals one process's up to the order of the sums."""
+    values = turn_values(samples)  # on the whole batch: legacy baselines are batch-relative
     # collate() credits each turn ``turn_rewards[i] - baseline``: hand it the advantages that way.
     adjusted = [s.model_copy(update={"turn_rewards": v}) for s, (v, _) in zip(samples, values)]
     baselines = [baseline for _, baseline in values]
-    groups = micro_batches(adjusted, cfg.micro_batch_tokens)
-    batches = [(idx, collate([adjusted[i] for i in idx], [baselines[i] for i in idx])) for idx in groups]
-    step_tokens = float(sum(b.mask.sum() for _, b in batches))
+    mine = dist.shard(range(len(samples)), cost=lambda i: sample_tokens(samples[i]))
+    local = [adjusted[i] for i in mine]
+    batches = [(idx, collate([local[i] for i in idx], [baselines[mine[i]] for i in idx]))
+               for idx in micro_batches(local, cfg.micro_batch_tokens)]
+    batches += [([], placeholder_batch())] * (dist.all_reduce_max(len(batches)) - len(batches))
+    step_tokens = dist.all_reduce_sum(sum(int((b.mask > 0).sum()) for _, b in batches))
 
     optimizer.zero_grad(set_to_none=True)
     sums = {"loss": 0.0, "clip_frac": 0.0, "trunc_frac": 0.0, "mean_ratio": 0.0, "mean_abs_log_ratio": 0.0, "kl": 0.0}
-    tokens = 0
-    parity: list[torch.Tensor] = []
+    parity: list[float] = []
     for idx, batch in batches:
-        logp_new = token_logprobs(model, batch.tokens, batch.attention)
-        logp_ref = None
-        if reference is not None and cfg.kl_coef > 0:
-            with torch.no_grad():
-                logp_ref = token_logprobs(reference, batch.tokens, batch.attention)
+        batch = batch.to(dist.device)
+        with dist.autocast():
+            logp_new = token_logprobs(model, batch.tokens, batch.attention)
+            logp_ref = None
+            if reference is not None and cfg.kl_coef > 0:
+                with torch.no_grad():
+                    logp_ref = token_logprobs(reference, batch.tokens, batch.attention)
         out = policy_loss(logp_new, batch.logp_behaviour, batch.advantages, batch.mask, cfg.clip_eps,
                           cfg.is_truncation, normalizer=step_tokens, logp_ref=logp_ref, kl_coef=cfg.kl_coef)
-        out.loss.backward()
+        (out.loss * dist.grad_scale).backward()
         sums["loss"] += float(out.loss.detach())
         for key in ("clip_frac", "trunc_frac", "mean_ratio", "mean_abs_log_ratio", "kl"):
             sums[key] += getattr(out, key) * out.tokens
-        tokens += out.tokens
-        if measure_parity:
-            on_policy = torch.tensor([behaviour_version(adjusted[idx[i]]) == current_version
-                                      for i in batch.row_sample.tolist()])
+        if measure_parity and idx:
+            on_policy = torch.tensor([behaviour_version(local[idx[i]]) == current_version
+                                      for i in batch.row_sample.tolist()], device=dist.device)
             keep = (batch.mask > 0) & on_policy[:, None]
-            parity.append((logp_new.detach() - batch.logp_behaviour)[keep].abs())
-    grad_norm = float(torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], MAX_GRAD_NORM))
+            parity += (logp_new.detach() - batch.logp_behaviour)[keep].abs().tolist()
+    grad_norm = dist.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], MAX_GRAD_NORM)
     optimizer.step()
 
-    metrics: dict[str, Any] = {key: value / max(tokens, 1) for key, value in sums.items() if key != "loss"}
-    metrics.update(loss=sums["loss"], grad_norm=grad_norm, tokens=float(tokens), samples=float(len(samples)),
+    metrics: dict[str, Any] = {"loss": dist.all_reduce_sum(sums.pop("loss"))}
+    metrics.update({key: dist.all_reduce_sum(value) / max(step_tokens, 1) for key, value in sums.items()})
+    metrics.update(grad_norm=grad_norm, tokens=float(step_tokens), samples=float(len(samples)),
                    mean_reward=fmean(s.total_reward for s in samples))
     metrics["staleness"] = dict(Counter(str(current_version - behaviour_version(s)) for s in samples))  # type: ignore[operator]
-    diffs = torch.cat(parity) if parity else torch.zeros(0)
-    if diffs.numel():
-        metrics.update(parity=float(diffs.mean()), parity_p99=float(torch.quantile(diffs, 0.99)),
-                       parity_max=float(diffs.max()))
+    if measure_parity:
+        diffs = torch.tensor([d for part in dist.all_gather_object(parity) for d in part])
+        if diffs.numel():
+            metrics.update(parity=float(diffs.mean()), parity_p99=float(torch.quantile(diffs, 0.99)),
+                           parity_max=float(diffs.max()))
     return metrics
 
 

@@ -1,0 +1,513 @@
+"""Data-parallel training under ``torchrun``: one small object the loop calls, a no-op in one process.
+
+Launched by ``torchrun --nproc_per_node N ...`` the trainer runs N ranks; :meth:`Dist.from_env` reads
+torchrun's environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``; the only place it is read) and
+joins the process group: gloo on CPU, NCCL on CUDA (one GPU per ``LOCAL_RANK``). Without torchrun,
+or with ``WORLD_SIZE=1``, it returns the single-process :class:`Dist`, whose every method is the
+plain single-process operation, so ``train()`` has one code path.
+
+Invariants the loop keeps (how: docs/trainer.md):
+
+- Rank 0 decides. It alone reads the bus, keeps the buffer, writes checkpoints and publishes; it
+  hands each step's whole batch to every rank (:meth:`Dist.broadcast_object`); every rank trains
+  its :meth:`Dist.shard` of it. Anything computed over the whole batch (``turn_values``: legacy
+  baselines are batch-relative) is computed on the whole batch, on every rank, before sharding.
+- Every collective is entered by every rank, in the same order: the wrapped model's forward and
+  backward (each pass all-gathers and reduces), the reductions, the state-dict gathers and loads.
+  A rank with fewer micro-batches than another, or none, runs :func:`placeholder_batch` passes
+  (no trainable token: zero loss, zero gradient) up to :meth:`Dist.all_reduce_max` of the counts.
+- Gradients equal single-process gradients. The loss is a token mean over the whole optimizer step:
+  with ``N = all_reduce_sum(trainable tokens of this rank)``, each rank back-propagates
+  ``local_token_sum * grad_scale / N``. The gradient reduction (FSDP2 reduce-scatter, DDP
+  all-reduce) averages over ranks, dividing by ``world_size``, which ``grad_scale = world_size``
+  undoes: the reduced gradient is ``sum over ranks of grad(local_token_sum) / N``, the gradient of
+  the step's token mean in one process, up to the order of the summation.
+- All ranks start from rank 0's weights (:meth:`Dist.wrap` broadcasts them before sharding).
+- The checkpoint format does not change. :meth:`Dist.full_state_dict` is ``{name: CPU tensor}`` of
+  every parameter in the master dtype (``named_parameters`` names, tied weights once: what
+  ``Policy.master_state`` gives), :meth:`Dist.optimizer_state_dict` is what
+  ``optimizer.state_dict()`` gives in one process (parameters keyed by index); both are complete
+  on rank 0 and ``{}`` on the others. The ``load_*`` methods take them on rank 0 and broadcast.
+
+Wrapping (:meth:`Dist.wrap`): FSDP2, ``torch.distributed.fsdp.fully_shard`` on every transformer
+block (the classes named by the model's ``_no_split_modules``) and then on the root, parameters
+sharded as fp32 DTensors (the master weights), gradients reduce-scattered; DDP where FSDP2 is not
+available or asked for. With torch 2.13 both work on CPU over gloo: forward, backward, clipping,
+AdamW, full state dicts in both directions (checked by ``python -m trainer.distributed selftest``,
+run by tests/integration/test_trainer_distributed.py with 2 processes against 1).
+
+CUDA (NCCL, bf16 compute, fp32 master): FSDP2 with ``MixedPrecisionPolicy(param_dtype=bf16,
+reduce_dtype=fp32)``, i.e. bf16 all-gathered compute copies of the fp32 shards and fp32 gradient
+reduction; DDP and the single process run the forward under :meth:`Dist.autocast` (bf16). This
+branch is written to the same contract but not exercised by the test suite (no GPU in CI); on
+CPU everything is fp32. With bf16 compute, 1-rank and N-rank losses agree to bf16 precision only.
+
+The process group's collectives time out (torch's default: 10 minutes on NCCL, 30 on gloo): while
+the bus is idle, rank 0 keeps the other ranks in step with a small broadcast per poll (nothing to
+do, a batch, or stop) rather than leaving them blocked in a collective.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import os
+import random
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+import torch
+import torch.distributed as tdist
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
+
+from flywheel.events import ScoredTrajectory, Segment, Turn
+from flywheel.tinymodel.sampling import load_state
+from trainer.buffer import Batch
+
+try:  # public since torch 2.6
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+except ImportError:  # pragma: no cover - older torch: DDP only
+    fully_shard = None  # type: ignore[assignment]
+
+T = TypeVar("T")
+Number = TypeVar("Number", int, float, torch.Tensor)
+Wrapper = Literal["none", "fsdp2", "ddp"]
+
+
+@dataclass(frozen=True)
+class Dist:
+    """This process's place in the job and the collectives the loop needs (module docstring).
+
+    The default instance is the single process: rank 0 of 1, nothing wrapped, no communication.
+    """
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    #: How :meth:`wrap` wraps the model: ``none`` in one process, else ``fsdp2`` or ``ddp``.
+    wrapper: Wrapper = "none"
+    #: bf16 compute with fp32 master weights (the CUDA default).
+    bf16: bool = False
+
+    @classmethod
+    def from_env(
+        cls,
+        device: str | torch.device = "cpu",
+        *,
+        wrapper: Literal["auto", "fsdp2", "ddp"] = "auto",
+        bf16: bool | None = None,
+    ) -> Dist:
+        """Join torchrun's process group (gloo on CPU, NCCL on CUDA), or the single process when
+        ``WORLD_SIZE`` is unset or 1. ``device="cuda"`` means this rank's GPU (``LOCAL_RANK``);
+        ``wrapper="auto"`` is FSDP2 where this torch has it, else DDP; ``bf16`` defaults to
+        ``device`` being CUDA. Call :meth:`close` (or use the Dist as a context manager) at the end."""
+        env = os.environ
+        device = torch.device(device)
+        bf16 = device.type == "cuda" if bf16 is None else bf16
+        world_size = int(env.get("WORLD_SIZE", "1"))
+        if world_size <= 1:
+            return cls(device=device, bf16=bf16)
+        rank, local_rank = int(env["RANK"]), int(env.get("LOCAL_RANK", "0"))
+        if device.type == "cuda":
+            device = torch.device("cuda", local_rank)
+            torch.cuda.set_device(device)
+        if not tdist.is_initialized():
+            backend = "nccl" if device.type == "cuda" else "gloo"
+            tdist.init_process_group(backend, rank=rank, world_size=world_size,
+                                     device_id=device if device.type == "cuda" else None)
+        if wrapper == "auto":
+            wrapper = "fsdp2" if fully_shard is not None else "ddp"
+        elif wrapper == "fsdp2" and fully_shard is None:
+            raise RuntimeError(f"torch {torch.__version__} has no torch.distributed.fsdp.fully_shard; use wrapper='ddp'")
+        return cls(rank=rank, world_size=world_size, local_rank=local_rank, device=device, wrapper=wrapper, bf16=bf16)
+
+    # --- who am I ------------------------------------------------------------------------------
+
+    @property
+    def enabled(self) -> bool:
+        """More than one process: collectives are real."""
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0: reads the bus, checkpoints, publishes, logs."""
+        return self.rank == 0
+
+    @property
+    def grad_scale(self) -> float:
+        """Factor on each rank's loss that undoes the gradient reduction's mean over ranks."""
+        return float(self.world_size)
+
+    def close(self) -> None:
+        """Leave the process group (every rank calls it; a no-op in one process)."""
+        if self.enabled and tdist.is_initialized():
+            tdist.destroy_process_group()
+
+    def __enter__(self) -> Dist:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- the model -----------------------------------------------------------------------------
+
+    def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        """``model`` on this rank's device, data-parallel: FSDP2 per transformer block then root
+        (the same object, its parameters now DTensor shards), or a DDP wrapper; in one process,
+        just moved. Rank 0's weights are every rank's. Build the optimizer from the returned
+        model's parameters, after this."""
+        model = model.to(self.device)
+        if not self.enabled:
+            return model
+        if self.wrapper == "ddp":
+            return DistributedDataParallel(model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+        with torch.no_grad():  # FSDP2 shards each rank's own copy: make them rank 0's first
+            for tensor in [*model.parameters(), *model.buffers()]:
+                tdist.broadcast(tensor, src=0)
+        mesh = init_device_mesh(self.device.type, (self.world_size,))
+        # bf16: all-gather fp32 shards as bf16 compute copies; reduce gradients in fp32.
+        policy = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if self.bf16 else MixedPrecisionPolicy()
+        for block in transformer_blocks(model):
+            fully_shard(block, mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
+        return model
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """Context for the forward pass: bf16 autocast where bf16 is on and FSDP2 does not already
+        compute in bf16 (DDP, one process); otherwise nothing."""
+        if self.bf16 and self.wrapper != "fsdp2":
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def clip_grad_norm_(self, parameters: Iterable[torch.nn.Parameter], max_norm: float) -> float:
+        """``torch.nn.utils.clip_grad_norm_`` over the whole model: with sharded gradients the norm
+        is the global one (the same on every rank). Returns the norm before clipping."""
+        params = [p for p in parameters if p.grad is not None]
+        total = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0)
+        if isinstance(total, DTensor):
+            total = total.full_tensor()
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+        return float(total)
+
+    # --- the data ------------------------------------------------------------------------------
+
+    def shard(self, items: Sequence[T], cost: Callable[[T], float] | None = None) -> list[T]:
+        """This rank's share of ``items``, in their order; the shares partition ``items`` and are
+        the same on every rank's call. Without ``cost``: every ``world_size``-th item from
+        ``rank``. With it: greedily balanced (heaviest first to the least loaded rank, ties to
+        fewer items then lower rank), so ranks finish a step together. Either way every rank gets
+        a list, non-empty when there are at least ``world_size`` items."""
+        if not self.enabled:
+            return list(items)
+        if cost is None:
+            return list(items[self.rank :: self.world_size])
+        costs = [float(cost(item)) for item in items]
+        load, count, owner = [0.0] * self.world_size, [0] * self.world_size, [0] * len(items)
+        for i in sorted(range(len(items)), key=lambda i: (-costs[i], i)):
+            r = min(range(self.world_size), key=lambda r: (load[r], count[r], r))
+            owner[i], load[r], count[r] = r, load[r] + costs[i], count[r] + 1
+        return [item for item, r in zip(items, owner) if r == self.rank]
+
+    def all_reduce_sum(self, x: Number) -> Number:
+        """The sum of ``x`` over ranks, on every rank (an int, a float or a tensor, as given; a
+        tensor comes back as a new tensor on its own device)."""
+        return self._all_reduce(x, tdist.ReduceOp.SUM)
+
+    def all_reduce_max(self, x: Number) -> Number:
+        """The maximum of ``x`` over ranks (e.g. the micro-batch count every rank must run)."""
+        return self._all_reduce(x, tdist.ReduceOp.MAX)
+
+    def _all_reduce(self, x: Number, op: tdist.ReduceOp) -> Number:
+        if isinstance(x, torch.Tensor):
+            out = x.detach().clone()
+            if self.enabled:
+                moved = out.to(self._comm_device)
+                tdist.all_reduce(moved, op=op)
+                out = moved.to(x.device)
+            return out  # type: ignore[return-value]
+        if not self.enabled:
+            return x
+        t = torch.tensor(x, dtype=torch.int64 if isinstance(x, int) else torch.float64, device=self._comm_device)
+        tdist.all_reduce(t, op=op)
+        return type(x)(t.item())  # type: ignore[return-value]
+
+    def broadcast_object(self, obj: T) -> T:
+        """Rank 0's ``obj`` (anything picklable) on every rank; what the others pass is ignored."""
+        if not self.enabled:
+            return obj
+        box = [obj if self.is_main else None]
+        tdist.broadcast_object_list(box, src=0, device=self._comm_device)
+        return box[0]  # type: ignore[return-value]
+
+    def all_gather_object(self, obj: T) -> list[T]:
+        """Every rank's ``obj`` (picklable), in rank order, on every rank (e.g. parity differences
+        for quantiles over the whole step)."""
+        if not self.enabled:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        tdist.all_gather_object(out, obj)
+        return out
+
+    def barrier(self) -> None:
+        if self.enabled:
+            tdist.barrier()
+
+    @property
+    def _comm_device(self) -> torch.device:
+        return self.device if self.device.type == "cuda" else torch.device("cpu")
+
+    # --- full (unsharded) states, for the checkpoint and for publishing -------------------------
+
+    def full_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """Every parameter, whole, as a CPU tensor in the master dtype (fp32), on rank 0 (``{}``
+        on the others; every rank calls it). Names and tied weights as ``named_parameters``."""
+        if not self.enabled:
+            return {name: p.detach().to("cpu", copy=True) for name, p in unwrap(model).named_parameters()}
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if not self.is_main:
+            return {}
+        return {name: full[name] for name, _ in unwrap(model).named_parameters()}  # no buffers, tied once
+
+    def load_full_state(self, model: torch.nn.Module, state: Mapping[str, torch.Tensor]) -> None:
+        """Load a :meth:`full_state_dict` (or a bf16 export with the same names, cast to the
+        master dtype) held by rank 0 into the wrapped model; every rank calls it, the others'
+        ``state`` is ignored. Names and shapes must match (``KeyError``/``ValueError`` otherwise;
+        raised on rank 0, which ends the job: torchrun stops the other ranks)."""
+        if not self.enabled:
+            load_state(unwrap(model), dict(state))
+            return
+        full: dict[str, torch.Tensor] = {}
+        if self.is_main:
+            params = dict(unwrap(model).named_parameters())
+            missing, unexpected = params.keys() - state.keys(), state.keys() - params.keys()
+            if missing or unexpected:
+                raise KeyError(f"state does not match the model: missing {sorted(missing)}, unexpected {sorted(unexpected)}")
+            first = {id(p): name for name, p in params.items()}
+            for name, p in unwrap(model).named_parameters(remove_duplicate=False):  # tied: every alias
+                src = state[first[id(p)]]
+                if tuple(src.shape) != tuple(p.shape):
+                    raise ValueError(f"{name}: shape {tuple(src.shape)} does not match the model's {tuple(p.shape)}")
+                full[name] = src.to(p.dtype)
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
+        set_model_state_dict(model, full, options=options)
+
+    def optimizer_state_dict(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """What ``optimizer.state_dict()`` gives in one process (whole tensors on CPU, parameters
+        keyed by their index in the optimizer's groups), on rank 0; ``{}`` on the others."""
+        if not self.enabled:
+            return optimizer.state_dict()
+        by_name = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if not self.is_main:
+            return {}
+        index = {name: i for i, name in enumerate(_optimizer_names(model, optimizer))}
+        # The hyperparameters are the same on every rank: this rank's plain param_groups are the
+        # single-process ones exactly (parameters as indices, betas a tuple).
+        return {"state": {index[name]: s for name, s in by_name["state"].items()},
+                "param_groups": optimizer.state_dict()["param_groups"]}
+
+    def load_optimizer_state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: Mapping[str, Any]) -> None:
+        """Load an :meth:`optimizer_state_dict` held by rank 0 (the others' is ignored) into the
+        optimizer of the wrapped model; every rank calls it."""
+        if not self.enabled:
+            optimizer.load_state_dict(dict(state))
+            return
+        by_name: dict[str, Any] = {}
+        if self.is_main:
+            names = _optimizer_names(model, optimizer)
+            by_name = {
+                "state": {names[i]: s for i, s in state["state"].items()},
+                "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]],
+            }
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        set_optimizer_state_dict(model, optimizer, by_name, options=options)
+        # The loader hands hyperparameters back through lists (betas a list): set them as given,
+        # so that the next optimizer_state_dict() is the single-process one exactly.
+        groups = self.broadcast_object(list(state["param_groups"]) if self.is_main else None)
+        for group, saved in zip(optimizer.param_groups, groups, strict=True):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+
+
+def _optimizer_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
+    """The parameter name of each index of ``optimizer.state_dict()`` (its groups' order)."""
+    name_of = {id(p): name for name, p in unwrap(model).named_parameters()}
+    return [name_of[id(p)] for group in optimizer.param_groups for p in group["params"]]
+
+
+#: The single process (rank 0 of 1): what ``train_step`` uses outside torchrun.
+SINGLE = Dist()
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The model without its DDP wrapper (an FSDP2 model is its own module)."""
+    return model.module if isinstance(model, DistributedDataParallel) else model
+
+
+def transformer_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules FSDP2 shards one by one: instances of the classes that a Hugging Face model
+    (wrapped by peft or not) names in ``_no_split_modules``; none for other models (then only the
+    root is sharded: correct, with one all-gather of everything)."""
+    names: set[str] = set()
+    for module in model.modules():
+        names |= set(getattr(module, "_no_split_modules", None) or ())
+    return [m for m in model.modules() if m is not model and type(m).__name__ in names]
+
+
+def placeholder_batch() -> Batch:
+    """A one-row batch with no trainable token: the pass a rank without (more) data runs so that
+    its collectives pair with the other ranks' (zero loss, zero gradient)."""
+    zeros = torch.zeros(1, 2)
+    return Batch(tokens=torch.zeros(1, 2, dtype=torch.long), attention=torch.ones(1, 2, dtype=torch.long),
+                 logp_behaviour=zeros, mask=zeros.clone(), advantages=zeros.clone(), row_sample=torch.zeros(1, dtype=torch.long))
+
+
+# --- selftest: N ranks train exactly as one process ----------------------------------------------
+# ``python -m trainer.distributed selftest --model DIR --out DIR`` alone, or under
+# ``torchrun --nproc_per_node N``: trains a few optimizer steps on fixed synthetic batches and writes
+# per-step losses (result.json) and, from rank 0, the step-1 gradients and the final full model and
+# optimizer states (state-<wrapper>.pt). Comparing a run of N ranks with a run of one process is
+# tests/integration/test_trainer_distributed.py; on a GPU machine it checks the CUDA path.
+
+SELFTEST_SIZES = (5, 4, 1, 6)  # samples per step: step 3 leaves a rank without data
+SELFTEST_MICRO_TOKENS = 64  # padded tokens per micro-batch: ranks run different numbers of passes
+SELFTEST_LR = 1e-3
+
+
+def synthetic_batches(vocab_size: int, sizes: Sequence[int] = SELFTEST_SIZES, seed: int = 0) -> list[list[ScoredTrajectory]]:
+    """Fixed, seeded ScoredTrajectory batches: one or two segments of one or two turns, random
+    behaviour logprobs (ratios get clipped and truncated), some turns at temperature 0.7 (masked),
+    half with rewards-stage advantages and half legacy (batch-relative baselines, prompt groups)."""
+    rng = random.Random(seed)
+    batches = []
+    for step, size in enumerate(sizes):
+        batch = []
+        for k in range(size):
+            sid = f"s{step}-{k}"
+            segments, rewards = [], []
+            for _ in range(rng.choice((1, 1, 2))):
+                tokens, mask, logprobs, turns = [], [], [], []
+                for _ in range(rng.choice((1, 2))):
+                    prompt = [rng.randrange(1, vocab_size) for _ in range(rng.randint(3, 10))]
+                    completion = [rng.randrange(1, vocab_size) for _ in range(rng.randint(2, 12))]
+                    start = len(tokens) + len(prompt)
+                    tokens += prompt + completion
+                    mask += [0] * len(prompt) + [1] * len(completion)
+                    logprobs += [0.0] * len(prompt) + [rng.uniform(-6.0, -0.5) for _ in completion]
+                    turns.append(Turn(generation_id=f"{sid}-{len(rewards)}", start=start, end=len(tokens), behaviour_version=0,
+                                      temperature=0.7 if rng.random() < 0.15 else 1.0))
+                    rewards.append(float(rng.random() < 0.5))
+                segments.append(Segment(tokens=tokens, mask=mask, logprobs=logprobs, turns=turns))
+            legacy = rng.random() < 0.5
+            batch.append(ScoredTrajectory(
+                event_id=sid, tenant="t", session_id=sid, trajectory_id=sid, model_line="m", segments=segments,
+                turn_rewards=rewards, total_reward=sum(rewards), reward_spec_version="selftest",
+                prompt_key=rng.choice(("p0", "p1", None)),
+                turn_advantages=None if legacy else [rng.gauss(0.0, 1.0) for _ in rewards],
+            ))
+        batches.append(batch)
+    return batches
+
+
+def _full_grads(dist: Dist, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter's whole gradient on rank 0 (every rank calls it: FSDP2 gathers shards)."""
+    out = {}
+    for name, p in unwrap(model).named_parameters():
+        grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+        if dist.is_main and grad is not None:
+            out[name] = grad.detach().to("cpu", dtype=torch.float32, copy=True)
+    return out
+
+
+def _selftest_run(dist: Dist, model_dir: Path, out_dir: Path) -> dict[str, Any]:
+    """Train :data:`SELFTEST_SIZES` steps; after the second, rebuild model and optimizer from the
+    full states (as a restart from a checkpoint would) and go on with those."""
+    from flywheel.settings import TrainerSettings
+    from flywheel.tinymodel.sampling import export_state, load_model
+    from trainer.buffer import sample_tokens
+    from trainer.train import micro_batches, train_step
+
+    def build(state: dict[str, torch.Tensor] | None = None, optim: dict[str, Any] | None = None):
+        base = load_model(model_dir)[0].requires_grad_(True)
+        published = export_state(base) if dist.is_main else {}  # bf16, as train() starts from a version
+        model = dist.wrap(base)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=SELFTEST_LR, weight_decay=0.01)
+        dist.load_full_state(model, published if state is None else state)
+        if optim is not None:
+            dist.load_optimizer_state(model, optimizer, optim)
+        return model, optimizer
+
+    started = time.monotonic()
+    model, optimizer = build()
+    vocab = unwrap(model).get_input_embeddings().num_embeddings
+    batches = dist.broadcast_object(synthetic_batches(vocab) if dist.is_main else None)
+    grads: dict[str, torch.Tensor] = {}
+    steps = []
+    cfg = TrainerSettings(micro_batch_tokens=SELFTEST_MICRO_TOKENS)
+    for i, samples in enumerate(batches):
+        metrics = train_step(model, optimizer, samples, 0, cfg, measure_parity=True, dist=dist)
+        # What each rank trained, and its micro-batches (the others ran placeholders up to the maximum).
+        mine = dist.shard(range(len(samples)), cost=lambda j: sample_tokens(samples[j]))
+        passes = len(micro_batches([samples[j] for j in mine], cfg.micro_batch_tokens))
+        shards, counts = dist.all_gather_object(mine), dist.all_gather_object(passes)
+        steps.append({**metrics, "shards": shards, "placeholder_passes": sum(max(counts) - c for c in counts)})
+        if i == 0:  # the step's gradients (clipped, as the optimizer used them)
+            grads.update(_full_grads(dist, model))
+        if i == 1:
+            model, optimizer = build(dist.full_state_dict(model), dist.optimizer_state_dict(model, optimizer))
+    params, optim = dist.full_state_dict(model), dist.optimizer_state_dict(model, optimizer)
+    if dist.is_main:
+        torch.save({"grads": grads, "params": params, "optimizer": optim}, out_dir / f"state-{dist.wrapper}.pt")
+    return {"steps": steps, "seconds": time.monotonic() - started}
+
+
+def selftest(model_dir: Path, out_dir: Path, wrappers: Sequence[Literal["fsdp2", "ddp"]], device: str) -> None:
+    torch.set_num_threads(1)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    first = Dist.from_env(device, wrapper=wrappers[0])
+    runs: dict[str, Any] = {}
+    try:
+        for wrapper in wrappers if first.enabled else ["none"]:
+            dist = dataclasses.replace(first, wrapper=wrapper) if first.enabled else first
+            runs[dist.wrapper] = _selftest_run(dist, model_dir, out_dir)
+            dist.barrier()
+    finally:
+        first.close()
+    if not first.is_main:
+        return
+    result: dict[str, Any] = {"world_size": first.world_size, "device": str(first.device), "bf16": first.bf16,
+                              "torch": torch.__version__, "runs": runs}
+    (out_dir / "result.json").write_text(json.dumps(result, indent=2))
+    print(json.dumps({w: [round(s["loss"], 6) for s in r["steps"]] for w, r in runs.items()}))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m trainer.distributed")
+    sub = parser.add_subparsers(dest="command", required=True)
+    test = sub.add_parser("selftest", help="train a few steps on synthetic batches; alone or under torchrun")
+    test.add_argument("--model", type=Path, required=True, help="a local Hugging Face model directory")
+    test.add_argument("--out", type=Path, required=True, help="folder for result.json and state-<wrapper>.pt")
+    test.add_argument("--wrappers", default="fsdp2,ddp", help="comma-separated, run in turn under torchrun")
+    test.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    args = parser.parse_args(argv)
+    wrappers = [w for w in args.wrappers.split(",") if w]
+    if not wrappers or set(wrappers) - {"fsdp2", "ddp"}:
+        parser.error(f"--wrappers takes fsdp2 and/or ddp, got {args.wrappers!r}")
+    selftest(args.model, args.out, wrappers, args.device)
+
+
+if __name__ == "__main__":
+    main()
