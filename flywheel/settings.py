@@ -141,11 +141,17 @@ class NodeSettings(_Section):
     max_body_bytes: int = Field(1_000_000, ge=1_024)
     seed: int = 0
     #: builtin: this process serves with the built-in engine. vllm: a vLLM server at ``vllm_url``
-    #: serves (started with ``VLLM_SERVER_DEV_MODE=1`` from ``model.path``, served model name =
-    #: ``model.line``) and this process only keeps it on the registry's stable version, reloading
-    #: full weights in place (serving/node/vllm_adapter.py, docs/vllm.md).
+    #: serves and this process only keeps it on the registry's versions (serving/node/vllm_adapter.py,
+    #: docs/vllm.md), as ``vllm_mode`` says.
     engine: Literal["builtin", "vllm"] = "builtin"
     vllm_url: str = ""
+    #: engine = "vllm": ``full``: versions are full weights, reloaded in place (vLLM started with
+    #: ``VLLM_SERVER_DEV_MODE=1`` from ``model.path``, served model name = ``model.line``).
+    #: ``lora``: versions are LoRA adapters (a line published with ``trainer.lora_publish =
+    #: "adapter"``; ``trainer.lora_*`` describe them), loaded at runtime into a vLLM server that
+    #: serves the base model ``model.path`` with ``--enable-lora`` and
+    #: ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``; requests name ``<line>-v<version>``.
+    vllm_mode: Literal["full", "lora"] = "full"
     #: Where versions are written for vLLM to read (it must see the same path); empty:
     #: ``{data_dir}/vllm``.
     vllm_work_dir: str = ""
@@ -157,6 +163,9 @@ class NodeSettings(_Section):
     def _vllm_needs_a_url(self) -> "NodeSettings":
         if self.engine == "vllm" and not self.vllm_url:
             raise ValueError("node.engine = 'vllm' needs node.vllm_url")
+        if self.vllm_mode == "lora" and self.engine != "vllm":
+            raise ValueError("node.vllm_mode = 'lora' needs node.engine = 'vllm' "
+                             "(the built-in engine serves full weights)")
         return self
 
 
@@ -227,10 +236,14 @@ class TrainerSettings(_Section):
     #: Weight of the KL(policy || reference) penalty, the reference being the frozen model the
     #: line started from (``model.path``); 0: no reference is loaded.
     kl_coef: float = Field(0.0, ge=0)
-    #: LoRA rank (peft); 0 trains every parameter. Versions are the merged weights (trainer/policy.py).
+    #: LoRA rank (peft); 0 trains every parameter (trainer/policy.py).
     lora_rank: int = Field(0, ge=0)
     lora_alpha: float = Field(16.0, gt=0)
     lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+    #: What a LoRA version is: ``merged``, the full weights ``W + scale * B @ A`` (any node serves
+    #: them); ``adapter``, the adapter state only (PEFT names, bf16) on top of the fixed base
+    #: ``model.path``, served by vLLM nodes in ``node.vllm_mode = "lora"``. A line keeps one kind.
+    lora_publish: Literal["merged", "adapter"] = "merged"
     #: Where the trainer computes: cpu, cuda (this rank's GPU; bf16 compute, fp32 master) or auto.
     device: Literal["cpu", "cuda", "auto"] = "cpu"
     #: Under torchrun (trainer/distributed.py): FSDP2 where this torch has it (auto), or DDP.
@@ -249,6 +262,12 @@ class TrainerSettings(_Section):
     checkpoint_dir: str = ""
     #: Checkpoints kept; only the newest is ever loaded, older ones are for inspection.
     keep_checkpoints: int = Field(2, ge=1)
+
+    @model_validator(mode="after")
+    def _adapters_need_lora(self) -> "TrainerSettings":
+        if self.lora_publish == "adapter" and self.lora_rank == 0:
+            raise ValueError("trainer.lora_publish = 'adapter' needs trainer.lora_rank > 0")
+        return self
 
 
 class RolloutSettings(_Section):

@@ -4,10 +4,20 @@
   model's parameters; a version is their bf16 export.
 - LoRA (``trainer.lora_rank`` > 0, peft): the weights the trainer started from are frozen and
   low-rank adapters ``B @ A`` (``B`` starts at zero, so the first export equals the start) train on
-  ``trainer.lora_targets``. A version is the *merged* bf16 export, ``W + scale * B @ A`` under the
-  base model's parameter names, so every node and engine serves it as plain weights (and the
-  registry's deltas apply unchanged). The fp32 master is the whole wrapped model (frozen base and
-  adapters), so a checkpoint resumes exactly.
+  ``trainer.lora_targets``. The fp32 master is the whole wrapped model (frozen base and adapters),
+  so a checkpoint resumes exactly. What a version is depends on ``trainer.lora_publish``:
+
+  - ``merged``: the merged bf16 export, ``W + scale * B @ A`` under the base model's parameter
+    names, so every node and engine serves it as plain weights. Starting from a published version
+    loads it as the frozen base, with the adapters at zero.
+  - ``adapter``: the adapter state only, bf16, under the names ``peft.get_peft_model_state_dict``
+    gives (``base_model.model.<module>.lora_A.weight`` / ``.lora_B.weight``: what PEFT saves in
+    ``adapter_model.safetensors`` and vLLM's LoRA loader reads). The base is ``model.path``, fixed
+    for the line; version 0 is the freshly initialised adapter (``B`` = 0, so it serves the base
+    exactly, and a random ``A``, so training can move ``B``). Starting from a published version
+    loads it into the adapters; the base stays what ``model.path`` holds.
+
+  Either way the registry's deltas and hashes apply unchanged: a version is a plain state dict.
 
 Both expose the same few operations to the loop (:class:`Policy`), so ``trainer/train.py`` never
 branches on the mode.
@@ -30,6 +40,8 @@ class Policy:
 
     def __init__(self, model: torch.nn.Module, cfg: TrainerSettings):
         self.lora = cfg.lora_rank > 0
+        #: Versions are the adapter state (``trainer.lora_publish = "adapter"``), not merged weights.
+        self.adapter = self.lora and cfg.lora_publish == "adapter"
         if self.lora:
             from peft import LoraConfig, get_peft_model
 
@@ -55,9 +67,13 @@ class Policy:
         load_state(self.model, state)
 
     def export(self) -> dict[str, torch.Tensor]:
-        """The version's weights: bf16 CPU tensors under the base model's parameter names."""
+        """The version's weights as bf16 CPU tensors: under the base model's parameter names, or
+        the adapter state under PEFT's names (``adapter`` mode)."""
         if not self.lora:
             return export_state(self.model)
+        if self.adapter:
+            return {k: v.detach().to(device="cpu", dtype=torch.bfloat16).contiguous()
+                    for k, v in self._adapter_tensors().items()}
         from peft.tuners.lora import LoraLayer
 
         with torch.no_grad():
@@ -72,9 +88,13 @@ class Policy:
             return {k: v.detach().to(device="cpu", dtype=torch.bfloat16).contiguous() for k, v in out.items()}
 
     def load_published(self, state: dict[str, Any]) -> None:
-        """Start from a published version's weights (base names); LoRA adapters start at zero."""
+        """Start from a published version: its weights (base names; LoRA adapters start at zero),
+        or in ``adapter`` mode its adapter state (the base stays ``model.path``)."""
         if not self.lora:
             load_state(self.model, state)
+            return
+        if self.adapter:
+            self._load_adapter(state)
             return
         params = {_base_name(n): p for n, p in self.model.named_parameters() if ".lora_" not in n}
         missing, unexpected = params.keys() - state.keys(), state.keys() - params.keys()
@@ -86,6 +106,37 @@ class Policy:
             for name, p in self.model.named_parameters():
                 if ".lora_B." in name:
                     p.zero_()
+
+    def _adapter_tensors(self) -> dict[str, torch.Tensor]:
+        """The adapter state under PEFT's saved names (views of the parameters). No embedding layers
+        are saved (``save_embedding_layers=False``: ``"auto"`` would look the base model up online)."""
+        from peft import get_peft_model_state_dict
+
+        return get_peft_model_state_dict(self.model, save_embedding_layers=False)
+
+    def _load_adapter(self, state: dict[str, Any]) -> None:
+        """Copy an adapter version into the LoRA parameters; the names and shapes must be this
+        model's (a line of merged or full versions is refused with a message saying so)."""
+        from peft import set_peft_model_state_dict
+
+        own = self._adapter_tensors()
+        missing, unexpected = own.keys() - state.keys(), state.keys() - own.keys()
+        if missing or unexpected:
+            kind = "an adapter" if all(".lora_" in k for k in state) else "full model weights, not a LoRA adapter"
+            raise ValueError(
+                f"the published version holds {kind} that does not match this trainer's LoRA adapters "
+                f"(trainer.lora_publish = 'adapter', r={self.model.peft_config['default'].r}): "
+                f"missing {sorted(missing)[:4]}, unexpected {sorted(unexpected)[:4]} "
+                f"({len(missing)} and {len(unexpected)} in all). A line keeps one kind of version: "
+                "use a new model.line, or the trainer.lora_* settings the line was published with.")
+        wrong = [k for k in own if tuple(own[k].shape) != tuple(state[k].shape)]
+        if wrong:
+            raise ValueError(f"adapter shapes differ from this trainer's (trainer.lora_rank?): "
+                             f"{[(k, tuple(state[k].shape), tuple(own[k].shape)) for k in wrong[:4]]}")
+        set_peft_model_state_dict(self.model, {k: state[k] for k in own})
+        loaded = self._adapter_tensors()
+        if not all(torch.equal(loaded[k].to(torch.bfloat16), state[k].to(torch.bfloat16)) for k in own):
+            raise RuntimeError("peft did not load the adapter state into the LoRA parameters")
 
 
 def _base_name(peft_name: str) -> str:

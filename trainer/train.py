@@ -8,7 +8,9 @@ offsets -> cleanup.
 - Modes: ``async`` (the product setting) trains on whatever arrives within ``max_staleness``
   versions; ``sync`` (for comparison, bench/trainer.py) only on samples served by the version being
   trained, so after each publish it waits for the fleet to serve the new version and for that
-  traffic to be scored. Full-parameter or LoRA (trainer/policy.py: versions are merged weights).
+  traffic to be scored. Full-parameter or LoRA (trainer/policy.py: a LoRA version is the merged
+  weights, or with ``trainer.lora_publish = "adapter"`` the adapter state on the fixed base
+  ``model.path``).
 - A step takes the oldest ``batch_size`` samples (or fewer, within ``batch_tokens``), runs them in
   micro-batches of at most ``micro_batch_tokens`` padded tokens and accumulates their gradients;
   the loss is a token mean over the whole step, so the split never changes the result. An optional
@@ -23,7 +25,8 @@ offsets -> cleanup.
   metrics list the ``trajectory_ids`` trained into it.
 - Without a checkpoint, training starts from the newest published version of the model line,
   whatever its status; an empty registry is seeded with the base model as a full version (by the
-  node or ``flywheel up``). Master weights are fp32; versions are the bf16 export
+  node or ``flywheel up``), or for an adapter line with the zero adapter (by the trainer itself or
+  a LoRA-mode vLLM node). Master weights are fp32; versions are the bf16 export
   (``tinymodel.export_state``), published as a delta against the previous version when that is
   smaller.
 - Off-policy data is explicit: every sample carries its behaviour versions, the buffer drops (and
@@ -115,6 +118,9 @@ def _train(settings: Settings, stop: threading.Event, dist: Dist) -> None:
         resumed = checkpoint.load_latest(ckpt_dir, settings.model.line)
         if resumed is None:
             latest = registry.latest()
+            if latest is None and policy.adapter:  # an adapter line starts from the zero adapter (B = 0)
+                latest = registry.ensure_base(policy.export(), reason="trainer bootstrap: zero LoRA adapter")
+                log.info("registered the zero LoRA adapter as %s v%d", settings.model.line, latest.version)
             while latest is None and not stop.is_set():  # the node (or `flywheel up`) registers version 0
                 log.info("waiting for a first version of %s in the registry", settings.model.line)
                 stop.wait(2.0)
@@ -174,7 +180,8 @@ def _train(settings: Settings, stop: threading.Event, dist: Dist) -> None:
     bus.ensure_topics([topic])
     consumer = bus.consumer(settings.group("trainer"), [topic])
     log.info("training %s (%s, %s, %d rank(s) %s on %s) from v%d (step %d), lr=%g, batch %d",
-             settings.model.line, cfg.mode, f"LoRA r={cfg.lora_rank}" if policy.lora else "full", dist.world_size,
+             settings.model.line, cfg.mode,
+             f"LoRA r={cfg.lora_rank}, {cfg.lora_publish} versions" if policy.lora else "full", dist.world_size,
              dist.wrapper, dist.device, current, step, cfg.lr, cfg.batch_size)
 
     def publish_point() -> None:

@@ -24,6 +24,13 @@ Invariants:
   holds the session's version any more, it moves to the current one and the move is counted.
 - Rejected requests (auth, rate limit, too large, malformed, invalid fields, unknown model) never
   reach the upstream or the bus; they get a 4xx OpenAI envelope naming the offending field.
+- A node that serves each version under its own model name (a vLLM server in LoRA mode, whose
+  heartbeat carries ``model_names``) is sent ``model = <its name for the session's version>``; its
+  answer is turned back into the line's before anything else reads it (``routing.as_line``:
+  ``model`` the line, ``model_version`` the version, the node id from its heartbeat), so the client
+  and the captured event see exactly what a built-in node's answer gives. When such a node does not
+  hold the version (no name for it, or vLLM's 404 for the model) the session moves on as after a
+  409 ``version_unavailable``.
 - Keys, prompts and completions are never logged at INFO or above.
 - Admin routes need an admin key (auth on) or a loopback caller (auth off): capture depth, tenant
   pins, and the line's versions (``GET /admin/versions``; ``POST /admin/versions/{v}/promote``,
@@ -55,13 +62,14 @@ from flywheel.settings import Settings
 from serving.errors import APIError, from_pydantic, install_error_handlers
 from serving.gateway import capture
 from serving.gateway.auth import KeyStore, Ownership, Principal, require_admin
-from serving.gateway.routing import Router, new_session_version
+from serving.gateway.routing import Router, Upstream, as_line, new_session_version
 from serving.gateway.shipper import Capture, CaptureFull, bus_producer_factory
 from serving.gateway.state import GatewayState, StateUnavailable, make_state
 from serving.gateway.upstream import Pool, Response as UpstreamResponse, UpstreamError
 from serving.protocol import (
     GENERATION_HEADER,
     MODEL_VERSION_HEADER,
+    NODE_HEADER,
     SESSION_HEADER,
     SSE_DONE,
     ChatCompletionRequest,
@@ -114,6 +122,8 @@ class _Call:
     version: int | None  # the session's pinned version (None: let the upstream choose)
     path: str
     upstream_body: bytes
+    upstream_request: dict[str, Any] = field(default_factory=dict)  # what upstream_body encodes
+    target: Upstream = Upstream("")  # where post() sent it (set by post)
     generation_id: str = field(default_factory=new_id)
     started: float = field(default_factory=time.perf_counter)
     headers: dict[str, str] = field(default_factory=dict)  # for the client
@@ -248,12 +258,13 @@ class Gateway:
         self.check_model(parsed.model)
         session_id = check_session_id(request.headers.get(SESSION_HEADER) or uuid.uuid4().hex)
         version = await self.pin(principal.tenant, session_id)
+        upstream_request = capture.upstream_request(body, self.settings.model.line, kind)
         try:
-            upstream_body = orjson.dumps(capture.upstream_request(body, self.settings.model.line, kind))
+            upstream_body = orjson.dumps(upstream_request)
         except TypeError as exc:  # e.g. an integer beyond 64 bits in a vendor field
             raise APIError(400, f"request body cannot be forwarded: {exc}", code="invalid_value") from None
-        call = _Call(kind, body, parsed, principal, session_id, version, path, upstream_body, started=started,
-                     headers={SESSION_HEADER: session_id})
+        call = _Call(kind, body, parsed, principal, session_id, version, path, upstream_body, upstream_request,
+                     started=started, headers={SESSION_HEADER: session_id})
         if parsed.stream:
             return await self.stream(call)
         return await self.complete_whole(call)
@@ -289,22 +300,53 @@ class Gateway:
         return headers
 
     async def post(self, call: _Call) -> UpstreamResponse:
-        """Send the call upstream (once more on another version if the node dropped the session's)."""
+        """Send the call upstream (once more on another version if the node dropped the session's);
+        ``call.target`` says where it went and under which model name."""
         for attempt in (0, 1):
-            url = f"{self.router.upstream_for(call.version)}{call.path}"
+            target = call.target = self.router.target_for(call.version)
+            if target.unavailable:  # a node that names versions by model, and has no name for this one
+                if attempt == 0 and await self.repin(call):
+                    continue
+                raise self.not_served(call)
+            url = f"{target.url}{call.path}"
+            body = call.upstream_body
+            if target.model is not None:
+                body = orjson.dumps({**call.upstream_request, "model": target.model})
             try:
-                response = await self.http.post(url, call.upstream_body, self.upstream_headers(call))
+                response = await self.http.post(url, body, self.upstream_headers(call))
             except UpstreamError as exc:
                 raise APIError(502, f"upstream {url} failed: {exc}", code="upstream_unreachable") from None
-            if response.status == 409 and attempt == 0:
+            model_gone = target.names_versions and response.status == 404  # vLLM: "The model `…` does not exist."
+            if (response.status == 409 or model_gone) and attempt == 0:
                 try:
-                    code = _error_code(await response.read())
+                    raw = await response.read()
                 except UpstreamError as exc:
                     raise APIError(502, f"upstream {url} broke off: {exc}", code="upstream_error") from None
-                if code == "version_unavailable" and await self.repin(call):
-                    continue
+                model_gone = model_gone and _error_field(raw, "type") == "NotFoundError"
+                if _error_field(raw, "code") == "version_unavailable" or model_gone:
+                    if await self.repin(call):
+                        continue
+                    if model_gone:
+                        raise self.not_served(call)
             return response
         raise AssertionError("unreachable")
+
+    def not_served(self, call: _Call) -> APIError:
+        """The answer when no node can serve the session's version under a model name."""
+        line = self.settings.model.line
+        if call.version is None:
+            return APIError(503, f"no node serves a version of `{line}` yet; retry shortly",
+                            code="version_unavailable", headers=call.headers)
+        return APIError(409, f"no node holds version {call.version} of `{line}` any more; start a new session",
+                        code="version_unavailable", headers=call.headers)
+
+    @staticmethod
+    def served_headers(headers: dict[str, str], target: Upstream) -> dict[str, str]:
+        """The upstream's response headers, naming the node a version-naming node's heartbeat named
+        (vLLM sends no ``X-Flywheel-Node``)."""
+        if target.names_versions and not any(k.lower() == NODE_HEADER.lower() for k in headers):
+            return {**headers, NODE_HEADER: target.node_id}
+        return headers
 
     async def complete_whole(self, call: _Call) -> Response:
         upstream_start = time.perf_counter()
@@ -320,7 +362,9 @@ class Gateway:
             response_body = orjson.loads(raw)
             if not isinstance(response_body, dict):
                 raise ValueError("not a JSON object")
-            served = capture.extract_served(response_body, response.headers, call.kind)
+            response_body = as_line(response_body, call.target, self.settings.model.line)
+            served = capture.extract_served(response_body, self.served_headers(response.headers, call.target),
+                                            call.kind)
         except (ValueError, capture.CaptureError) as exc:
             raise _uncapturable(exc, call.headers) from None
         await self.record_generation(call, response_body, served, upstream_s)
@@ -367,7 +411,7 @@ class Gateway:
         """Proxy an upstream event stream; see the module docstring for what is recorded when."""
         upstream_start = time.perf_counter()
         upstream = await self.post(call)
-        assembler = capture.StreamAssembler(call.kind, upstream.headers)
+        assembler = capture.StreamAssembler(call.kind, self.served_headers(upstream.headers, call.target))
 
         def relay(data: str) -> bytes | None:
             """Fold one upstream event into the capture; what the client gets of it."""
@@ -377,6 +421,8 @@ class Gateway:
                 raise capture.CaptureError("upstream stream event is not JSON") from None
             if isinstance(chunk, dict) and chunk.get("error") is not None:
                 raise _UpstreamStreamError(chunk["error"])
+            if isinstance(chunk, dict):
+                chunk = as_line(chunk, call.target, self.settings.model.line)
             assembler.feed(chunk)
             out = capture.client_chunk(chunk, call.request)
             return None if out is None else sse_event(out)
@@ -514,12 +560,16 @@ async def _lines(response: UpstreamResponse) -> AsyncIterator[str]:
         yield pending.rstrip(b"\r").decode("utf-8", errors="replace")
 
 
-def _error_code(raw: bytes) -> str | None:
+def _error_field(raw: bytes, key: str) -> Any:
+    """A field of an upstream error body: ``{"error": {...}}`` or vLLM's older flat envelope."""
     try:
-        err = json.loads(raw).get("error")
-    except (ValueError, AttributeError):
+        body = json.loads(raw)
+    except ValueError:
         return None
-    return err.get("code") if isinstance(err, dict) else None
+    if not isinstance(body, dict):
+        return None
+    err = body.get("error")
+    return err.get(key) if isinstance(err, dict) else body.get(key)
 
 
 def _uncapturable(exc: Exception, headers: dict[str, str]) -> APIError:

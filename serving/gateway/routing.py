@@ -26,6 +26,12 @@ Invariants:
   the line, else the local node URL. The caller still sends ``X-Flywheel-Model-Version``: a node
   that does not hold it answers 409 ``version_unavailable`` (the caller may move the session to a
   new version), and the version recorded is always the one the upstream names.
+- A node whose heartbeat carries ``model_names`` (a vLLM server in LoRA mode) serves each version
+  under its own model name and names no version in its answers. :meth:`Router.target_for` says
+  which ``model`` to send it for the version (:class:`Upstream`; such a node counts as holding
+  only the versions it names), and :func:`as_line` turns its answer (or each stream chunk) back
+  into the line's: ``model`` the line, ``model_version`` the version that name serves, after
+  checking that the node answered for the name it was sent. For other nodes both are no-ops.
 - :meth:`Router.live_versions` (for ``/v1/models``) shows versions and node ids, never node URLs
   or tenant pins.
 """
@@ -45,6 +51,7 @@ from sqlalchemy import select
 from flywheel.db.models import ModelVersion
 from flywheel.settings import Settings
 from serving.errors import APIError
+from serving.gateway.capture import CaptureError
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +75,42 @@ class NodeInfo:
     versions: tuple[int, ...]  # held, ascending
     status: str = ""
     region: str = ""
+    #: (version, model name) for every version held, when the node serves each version under its
+    #: own model name (heartbeat ``model_names``); None for a node that names versions itself.
+    model_names: tuple[tuple[int, str], ...] | None = None
+
+    def model_for(self, version: int | None) -> str | None:
+        """The ``model`` a request for ``version`` names on this node (None: not one it names)."""
+        return dict(self.model_names or ()).get(version) if version is not None else None
+
+
+@dataclass(frozen=True)
+class Upstream:
+    """Where a request goes, and for a node that serves versions under their own model names
+    (``names_versions``), the ``model`` to send and the ``version`` that name serves. ``model`` is
+    None on such a node when it holds no name for the version: the node cannot serve it."""
+
+    url: str
+    node_id: str = ""
+    names_versions: bool = False
+    model: str | None = None
+    version: int | None = None
+
+    @property
+    def unavailable(self) -> bool:
+        return self.names_versions and self.model is None
+
+
+def as_line(body: dict[str, Any], upstream: Upstream, line: str) -> dict[str, Any]:
+    """An answer (or one stream chunk) of ``upstream`` as the line's: for a node that names versions
+    by model, ``model`` becomes ``line`` and ``model_version`` the version served, once the node
+    answered for the model it was sent (:class:`CaptureError` otherwise); other answers unchanged."""
+    if not upstream.names_versions:
+        return body
+    model = body.get("model")
+    if model is not None and model != upstream.model:
+        raise CaptureError(f"upstream answered for model {model!r}, sent {upstream.model!r}")
+    return {**body, "model": line, "model_version": upstream.version}
 
 
 def canary_bucket(tenant: str, session_id: str) -> float:
@@ -89,7 +132,8 @@ def new_session_version(routing: RoutingTable, tenant: str, session_id: str) -> 
 def nodes_from_heartbeats(beats: Mapping[str, Mapping[str, Any]], model_line: str) -> list[NodeInfo]:
     """The nodes of ``model_line`` in heartbeat payloads that name a URL, by node id.
 
-    A node that reports no ``versions`` (an older node) holds just its ``live_version``.
+    A node that reports no ``versions`` (an older node) holds just its ``live_version``. A node that
+    reports ``model_names`` holds only the versions it names.
     """
     nodes = []
     for node_id, beat in sorted(beats.items()):
@@ -102,8 +146,15 @@ def nodes_from_heartbeats(beats: Mapping[str, Mapping[str, Any]], model_line: st
         if not isinstance(held, list):
             held = [] if live is None else [live]
         versions = tuple(sorted({v for v in held if isinstance(v, int)}))
+        names = beat.get("model_names")
+        model_names = None
+        if isinstance(names, dict):
+            named = {int(v): m for v, m in names.items() if isinstance(v, str) and v.isdigit()
+                     and isinstance(m, str) and m}
+            versions = tuple(v for v in versions if v in named)
+            model_names = tuple((v, named[v]) for v in versions)
         nodes.append(NodeInfo(node_id, url.rstrip("/"), live, versions, str(beat.get("status", "")),
-                              str(beat.get("region", ""))))
+                              str(beat.get("region", "")), model_names))
     return nodes
 
 
@@ -172,13 +223,22 @@ class Router:
 
     def upstream_for(self, version: int | None) -> str:
         """Base URL of an upstream for ``version`` (None: any node of the line)."""
+        return self.target_for(version).url
+
+    def target_for(self, version: int | None) -> Upstream:
+        """An upstream for ``version`` (None: any node of the line, at its live version), with the
+        model name to send when the node serves versions under their own names."""
         self._refresh_if_stale()
         nodes = [n for n in self._nodes if version is None or version in n.versions]
         if not nodes and not self.settings.gateway.upstream:
             nodes = self._nodes  # held nowhere: a node of the line answers 409 version_unavailable
         if not nodes:
-            return self.fallback
-        return nodes[next(self._turn) % len(nodes)].url
+            return Upstream(self.fallback)
+        node = nodes[next(self._turn) % len(nodes)]
+        if node.model_names is None:
+            return Upstream(node.url, node.node_id)
+        served = node.live_version if version is None else version
+        return Upstream(node.url, node.node_id, names_versions=True, model=node.model_for(served), version=served)
 
     def live_versions(self) -> dict[str, Any]:
         """The line, its stable and canary versions, and the versions live on nodes with their ids."""

@@ -6,6 +6,9 @@ version — on a fresh registry the base model is published as version 0 (full) 
 so every generation this node serves names a registered version; otherwise follow the stable
 version before accepting traffic (and preload a canary version, if any). Then serve until
 stopped, with the updater polling. The engine keeps the last ``node.keep_versions`` versions.
+
+With ``node.engine = "vllm"`` the process serves nothing itself: :func:`run_vllm` keeps a vLLM
+server on the registry's versions, as full weights or as LoRA adapters (``node.vllm_mode``).
 """
 
 from __future__ import annotations
@@ -92,10 +95,21 @@ def run_vllm(settings: Settings, stop: threading.Event | None = None) -> None:
     """Keep the vLLM server at ``node.vllm_url`` on the registry's stable version until ``stop``.
 
     vLLM serves the requests (the gateway reaches it at ``node.vllm_url``, from this node's
-    heartbeat); this process names the weights vLLM started from with their registry version
-    (publishing them as version 0 on an empty registry), then follows the registry through the
-    :class:`~serving.node.vllm_adapter.VllmAdapter` in full mode, exactly as the built-in node
-    follows it through its engine."""
+    heartbeat); this process follows the registry through a
+    :class:`~serving.node.vllm_adapter.VllmAdapter`, exactly as the built-in node follows it through
+    its engine, in the mode ``node.vllm_mode`` names:
+
+    - ``full``: it names the weights vLLM started from with their registry version (publishing
+      them as version 0 on an empty registry), then reloads each new stable version in place.
+    - ``lora``: vLLM serves the fixed base model ``model.path``; every version is a LoRA adapter
+      (``trainer.lora_*`` describe them), loaded at runtime and served as ``<line>-v<version>``,
+      with the canary preloaded. On an empty registry it publishes the zero adapter as version 0.
+      It waits for vLLM to answer, then must get the stable version loaded before it carries on
+      (else it raises, as the built-in node does); the heartbeat's ``model_names`` tell the
+      gateway which ``model`` to send for each version."""
+    if settings.node.vllm_mode == "lora":
+        _run_vllm_lora(settings, stop or threading.Event())
+        return
     from flywheel.weights.codec import decode_full, state_sha256
     from serving.node.updater import Updater
     from serving.node.vllm_adapter import VllmAdapter
@@ -128,4 +142,42 @@ def run_vllm(settings: Settings, stop: threading.Event | None = None) -> None:
         cleanup.callback(updater.stop)
         log.info("node %s keeps vLLM at %s on %s (v%s)", settings.node.node_id, settings.node.vllm_url,
                  settings.model.line, adapter.current()[0])
+        stop.wait()
+
+
+def _run_vllm_lora(settings: Settings, stop: threading.Event) -> None:
+    """``run_vllm`` in LoRA mode (see there)."""
+    lora = settings.trainer
+    if lora.lora_rank == 0:
+        raise RuntimeError("node.vllm_mode = 'lora' needs the line's LoRA settings: trainer.lora_rank > 0 "
+                           "(with trainer.lora_alpha and trainer.lora_targets as the trainer publishes them)")
+    from serving.node.updater import Updater
+    from serving.node.vllm_adapter import VllmAdapter, zero_adapter_state
+
+    with contextlib.ExitStack() as cleanup:
+        sessions, registry, live = _open(settings, cleanup)
+        if registry.latest() is None:
+            base_path = model_dir(settings)
+            zero = zero_adapter_state(base_path, lora.lora_rank, lora.lora_targets, seed=lora.seed)
+            info = registry.ensure_base(zero, reason=f"vllm node bootstrap: zero LoRA adapter on {base_path}")
+            log.info("published the zero LoRA adapter as version %d (%s)", info.version, info.sha256[:12])
+        lora_config = {"r": lora.lora_rank, "lora_alpha": lora.lora_alpha, "target_modules": list(lora.lora_targets)}
+        work_dir = settings.node.vllm_work_dir or str(settings.data_path / "vllm")
+        adapter = VllmAdapter(settings.node.vllm_url, registry, work_dir, mode="lora",
+                              keep_versions=settings.node.keep_versions, lora_config=lora_config)
+        cleanup.callback(adapter.close)
+        if not adapter.wait_ready(stop):
+            return
+        updater = Updater(adapter, registry, settings, session_factory=sessions, live=live,
+                          url=settings.node.vllm_url)
+        outcome = updater.check_once()
+        if adapter.current()[0] is None:
+            raise RuntimeError("no registered version could be loaded into vLLM at start-up: "
+                               f"{outcome.detail or 'none is stable'}")
+        if strays := adapter.unload_strays():
+            log.info("unloaded LoRA adapters an earlier node process left in vLLM: %s", ", ".join(strays))
+        updater.start()
+        cleanup.callback(updater.stop)
+        log.info("node %s keeps vLLM at %s on %s v%s (LoRA adapters %s)", settings.node.node_id,
+                 settings.node.vllm_url, settings.model.line, adapter.current()[0], adapter.model_names())
         stop.wait()

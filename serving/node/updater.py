@@ -15,9 +15,11 @@ Invariants:
   loop does not retry that version (an admin ``update_to`` retries it explicitly; a success
   clears it).
 - The node's row in ``nodes`` (live version, status, detail, last heartbeat) and its live-state
-  heartbeat (also ``versions``: the versions held, and ``url``: where the gateway reaches the
-  node) are refreshed on every change and at least every ``db_heartbeat_s`` (the heartbeat on
-  every poll).
+  heartbeat (also ``versions``: the versions held, ``url``: where the gateway reaches the node,
+  and for an engine that serves each version under its own model name, a vLLM server in LoRA
+  mode, ``model_names``: ``{"<version>": "<model>"}`` for every version held, the ``model`` the
+  gateway must send) are refreshed on every change and at least every ``db_heartbeat_s`` (the
+  heartbeat on every poll).
 - One update at a time: the poll thread and the admin endpoint share a lock.
 """
 
@@ -180,6 +182,9 @@ class Updater:
                 "status": self.status,
                 "detail": self.detail,
             }
+            names = self.engine.model_names() if hasattr(self.engine, "model_names") else None
+            if names is not None:
+                payload["model_names"] = {str(v): name for v, name in names.items()}
             self.live.heartbeat(node.node_id, payload, ttl_s=max(5.0, 3 * node.poll_s))
         now = time.monotonic()
         if self.session_factory is None or (not force and now - self._last_db_heartbeat < self.db_heartbeat_s):

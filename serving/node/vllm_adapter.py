@@ -10,7 +10,9 @@ bounded time-outs) for one model line:
   (``{"lora_name": "<line>-v<version>", "lora_path": ...}``) and confirmed in ``GET /v1/models``.
   The last ``keep_versions`` versions stay loaded (the live one always); older ones are unloaded
   with ``POST /v1/unload_lora_adapter`` and their folders removed. Requests for a version use
-  ``model = "<line>-v<version>"`` (:meth:`model_for`).
+  ``model = "<line>-v<version>"`` (:meth:`model_for`; :meth:`model_names` for every held version,
+  which the node's heartbeat carries to the gateway). vLLM serves the line's fixed base model;
+  version 0 of such a line is the zero adapter (:func:`zero_adapter_state`).
 - ``mode="full"``: a version's weights are the full model state (the registry's parameter names,
   which must be the checkpoint names vLLM's ``model.load_weights`` accepts). It is written as
   ``work_dir/full/<line>-v<version>/model.safetensors`` and vLLM reloads it in place through the
@@ -44,6 +46,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import secrets
 import shutil
 import threading
@@ -210,6 +213,47 @@ class VllmAdapter:
     def lora_name(self, version: int) -> str:
         return f"{self.line}-v{version}"
 
+    def model_names(self) -> dict[int, str] | None:
+        """LoRA mode: the ``model`` each held version is served under; None in full mode (requests
+        name the served model, whatever version is live)."""
+        if self.mode != "lora":
+            return None
+        with self._lock:
+            return {version: self.lora_name(version) for version in sorted(self._held)}
+
+    def wait_ready(self, stop: threading.Event, every_s: float = 2.0) -> bool:
+        """Wait until vLLM answers ``GET /v1/models`` (it may still be loading the model); False if
+        ``stop`` was set first."""
+        waited = False
+        while not stop.is_set():
+            try:
+                self.loaded_models()
+                return True
+            except VllmError as exc:
+                if not waited:
+                    log.info("waiting for vLLM at %s: %s", self._http.base_url, exc)
+                waited = True
+            stop.wait(every_s)
+        return False
+
+    def unload_strays(self) -> list[str]:
+        """LoRA mode: unload this line's adapters that vLLM lists but this adapter does not hold
+        (loaded by an earlier node process), so they do not pile up in vLLM; returns their names."""
+        if self.mode != "lora":
+            return []
+        with self._load_lock:
+            held = {self.lora_name(v) for v in self.versions()}
+            pattern = re.compile(rf"{re.escape(self.line)}-v\d+")
+            strays = [name for name in self.loaded_models() if pattern.fullmatch(name) and name not in held]
+            for name in strays:
+                try:
+                    self._call("POST", "/v1/unload_lora_adapter", json={"lora_name": name})
+                except VllmError as exc:
+                    if exc.status != 404:
+                        log.warning("could not unload stray LoRA adapter %s: %s", name, exc)
+                shutil.rmtree(self.work_dir / name, ignore_errors=True)
+            return strays
+
     def swap(self, version: int, state: State, sha256: str, *, live: bool = True) -> None:
         """Load ``state`` (registry version ``version``, hash ``sha256``) into vLLM; raise
         :class:`VllmError` (or ``ValueError`` for weights that do not match) and keep serving the
@@ -323,8 +367,11 @@ class VllmAdapter:
 
     def _adapter_config(self, state: State) -> dict[str, Any]:
         config = {"peft_type": "LORA", "bias": "none", "task_type": "CAUSAL_LM", **self.lora_config}
+        rank = _lora_rank(state)
         if "r" not in config:
-            config["r"] = _lora_rank(state)
+            config["r"] = rank
+        elif int(config["r"]) != rank:  # vLLM would load it and scale by lora_alpha / r: silently wrong
+            raise ValueError(f"the adapter's rank is {rank}, the configured r is {config['r']} (trainer.lora_rank)")
         return config
 
     # --- full weights ----------------------------------------------------------------------------
@@ -478,6 +525,40 @@ def _lora_rank(state: State) -> int:
     if len(ranks) != 1:
         raise ValueError(f"LoRA A matrices disagree on the rank: {sorted(ranks)}")
     return ranks.pop()
+
+
+def zero_adapter_state(model_dir: str | os.PathLike[str], r: int, target_modules: list[str] | tuple[str, ...],
+                       *, seed: int = 0) -> State:
+    """Version 0 of an adapter line: a PEFT LoRA adapter for the model in ``model_dir`` that changes
+    nothing (``B`` = 0), with ``A`` drawn as PEFT draws it (uniform in +-1/sqrt(fan_in), seeded), so
+    training can move ``B``. Names are PEFT's (``base_model.model.<module>.lora_A.weight``), for every
+    2-D ``<module>.weight`` in the model's ``*.safetensors`` whose module name ends with a target (as
+    PEFT matches ``target_modules``; linear layers only). Only the file headers are read."""
+    from safetensors import safe_open
+
+    shapes: dict[str, list[int]] = {}
+    for shard in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(shard), framework="pt") as f:
+            shapes.update({name: list(f.get_slice(name).get_shape()) for name in f.keys()})
+    if not shapes:
+        raise ValueError(f"no *.safetensors weights in {model_dir}")
+    modules = {}
+    for name, shape in shapes.items():
+        module = name.removesuffix(".weight")
+        if name.endswith(".weight") and any(module == t or module.endswith(f".{t}") for t in target_modules):
+            if len(shape) != 2:
+                raise ValueError(f"{name} has shape {shape}: LoRA targets must be linear layers")
+            modules[module] = shape
+    if not modules:
+        raise ValueError(f"no weight in {model_dir} matches the LoRA targets {list(target_modules)}")
+    g = torch.Generator().manual_seed(seed)
+    state: State = {}
+    for module, (out_features, in_features) in sorted(modules.items()):
+        bound = 1.0 / in_features ** 0.5  # kaiming_uniform_(a=sqrt(5)), PEFT's init of lora_A
+        a = (torch.rand(r, in_features, generator=g) * 2 - 1) * bound
+        state[f"base_model.model.{module}.lora_A.weight"] = a.to(torch.bfloat16).contiguous()
+        state[f"base_model.model.{module}.lora_B.weight"] = torch.zeros(out_features, r, dtype=torch.bfloat16)
+    return state
 
 
 def _write_synced(path: Path, data: bytes) -> None:

@@ -201,3 +201,29 @@ def test_an_unreachable_registry_is_a_503_until_it_answers(tmp_path):
 
     asyncio.run(scenario())
     db.dispose()
+
+
+def test_a_node_that_names_versions_by_model_gets_the_name_of_the_version(tmp_path, sessions, registry, live):
+    """A LoRA-mode vLLM node's heartbeat carries ``model_names``: the target names the model for the
+    session's version (its live one for no version); other nodes are targeted as before."""
+    _publish(registry, 3)
+    registry.set_status(1, "stable", reason="test")
+    live.heartbeat("vllm-a", {"node_id": "vllm-a", "url": "http://vllm-a:8000", "model_line": LINE,
+                              "live_version": 1, "versions": [0, 1],
+                              "model_names": {"0": f"{LINE}-v0", "1": f"{LINE}-v1"}}, ttl_s=30)
+    router = Router(_settings(tmp_path), sessions, live)
+
+    async def scenario():
+        await router.refresh()
+        targets = (router.target_for(0), router.target_for(1), router.target_for(None), router.target_for(2))
+        _beat(live, "node-b", [1, 2])
+        await router.refresh()
+        return targets, {router.target_for(2) for _ in range(4)}
+
+    (t0, t1, t_none, t2), with_b = asyncio.run(scenario())
+    assert (t0.url, t0.node_id, t0.model, t0.version) == ("http://vllm-a:8000", "vllm-a", f"{LINE}-v0", 0)
+    assert (t1.model, t1.version, t_none.model, t_none.version) == (f"{LINE}-v1", 1, f"{LINE}-v1", 1)
+    assert t2.url == "http://vllm-a:8000" and t2.unavailable  # held nowhere, and no name for it there
+    (b,) = with_b
+    assert (b.url, b.names_versions, b.model) == ("http://node-b:8100", False, None)
+    assert router.upstream_for(1) in ("http://vllm-a:8000", "http://node-b:8100")

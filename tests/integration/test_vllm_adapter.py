@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import json
 import random
+import threading
 import time
 from pathlib import Path
 
+from typing import Any
+
+import httpx
 import pytest
 import safetensors.torch
 import torch
@@ -298,3 +302,113 @@ def _settings():
     from flywheel.settings import Settings
 
     return Settings()
+
+
+# --- adapter lines: what the trainer publishes, the node bootstraps, and vLLM accepts --------------
+
+
+def _tiny_linear_layers(model: torch.nn.Module) -> dict[str, tuple[int, int]]:
+    return {name: (m.out_features, m.in_features) for name, m in model.named_modules()
+            if isinstance(m, torch.nn.Linear)}
+
+
+def test_the_trainers_adapter_versions_load_into_vllm(sessions, tmp_path: Path, tiny_model_dir: Path) -> None:
+    """``trainer.lora_publish = "adapter"`` versions, published and loaded through the registry, pass the
+    stand-in's vLLM checks (config, tensor names, the model's layers and their shapes); the node's
+    zero adapter has exactly the trainer's names, shapes and dtype."""
+    import copy
+
+    from flywheel.settings import TrainerSettings
+    from flywheel.tinymodel.sampling import load_model
+    from serving.node.vllm_adapter import zero_adapter_state
+    from trainer.policy import Policy
+
+    tiny, _ = load_model(tiny_model_dir)
+    layers = _tiny_linear_layers(tiny)
+    cfg = TrainerSettings(lora_rank=4, lora_publish="adapter")
+    policy = Policy(copy.deepcopy(tiny), cfg)
+    v0 = policy.export()
+    zero = zero_adapter_state(tiny_model_dir, cfg.lora_rank, cfg.lora_targets)
+    assert {k: (t.shape, t.dtype) for k, t in zero.items()} == {k: (t.shape, t.dtype) for k, t in v0.items()}
+    assert all(not t.any() for k, t in zero.items() if ".lora_B." in k)
+    with torch.no_grad():
+        for name, p in policy.model.named_parameters():
+            if ".lora_B." in name:
+                p.normal_(0, 0.02)  # what training does to B
+    v1 = policy.export()
+
+    registry = Registry(sessions, FolderStore(tmp_path / "store"), "adapter-line")
+    i0 = registry.publish(v0, parent=None)
+    i1 = registry.publish(v1, parent=0, parent_state=v0)
+    lora_config = {"r": cfg.lora_rank, "lora_alpha": cfg.lora_alpha, "target_modules": list(cfg.lora_targets)}
+    with VllmStandIn(max_lora_rank=8, lora_modules=layers) as standin:
+        adapter = VllmAdapter(standin.url, registry, tmp_path / "work", mode="lora", keep_versions=2,
+                              lora_config=lora_config)
+        for info in (i0, i1):
+            outcome = adapter.apply(info.version)
+            assert outcome.ok and outcome.changed, outcome
+            loaded = standin.loras[f"adapter-line-v{info.version}"]
+            assert loaded["sha256"] == info.sha256 and loaded["ignored"] == []
+        assert adapter.model_names() == {0: "adapter-line-v0", 1: "adapter-line-v1"}
+
+        # The same adapter for a smaller vLLM limit, or with the wrong rank in its config, is refused:
+        # by vLLM (its message), or by the adapter before vLLM reads anything.
+        strict = VllmStandIn(max_lora_rank=2, lora_modules=layers).start()
+        try:
+            small = VllmAdapter(strict.url, registry, tmp_path / "work-strict", mode="lora", lora_config=lora_config)
+            outcome = small.apply(1)
+            assert not outcome.ok and "LoRA rank 4 is greater than max_lora_rank 2" in outcome.detail
+        finally:
+            strict.stop()
+        wrong = VllmAdapter(standin.url, registry, tmp_path / "work-wrong", mode="lora",
+                            lora_config={**lora_config, "r": 8})
+        calls = len(standin.calls)
+        outcome = wrong.apply(1)
+        assert not outcome.ok and "rank is 4" in outcome.detail and len(standin.calls) == calls
+
+
+def test_the_standin_refuses_what_vllm_refuses(tmp_path: Path, rng) -> None:
+    """The stand-in's LoRA checks are not vacuous: names vLLM cannot parse, modules the model has no
+    LoRA layer for, and shapes that do not fit are refused with vLLM's messages."""
+    layers = {f"model.layers.{i}.self_attn.{p}": (32, 32) for i in range(2) for p in ("q_proj", "v_proj")}
+    good = lora_state(rng)
+
+    def load(state: dict[str, torch.Tensor], name: str, standin: VllmStandIn) -> Any:
+        folder = tmp_path / name
+        folder.mkdir()
+        safetensors.torch.save_file(state, folder / "adapter_model.safetensors")
+        (folder / "adapter_config.json").write_text(json.dumps({"r": 4, **LORA_CONFIG}))
+        return httpx.post(f"{standin.url}/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(folder)})
+
+    with VllmStandIn(lora_modules=layers) as standin:
+        assert load(good, "good", standin).status_code == 200 and standin.loras["good"]["ignored"] == []
+        renamed = {k.replace(".lora_A.", ".lora_down."): v for k, v in good.items()}
+        r = load(renamed, "renamed", standin)
+        assert r.status_code == 400 and "is unsupported LoRA weight" in r.json()["error"]["message"]
+        mlp = {k.replace("self_attn.q_proj", "mlp.gate_proj"): v for k, v in good.items()}
+        r = load(mlp, "mlp", standin)
+        assert r.status_code == 400 and "expected target modules in" in r.json()["error"]["message"]
+        wide = {k: torch.cat([v, v], dim=1) if ".lora_A." in k else v for k, v in good.items()}
+        r = load(wide, "wide", standin)
+        assert r.status_code == 400 and "do not fit" in r.json()["error"]["message"]
+        elsewhere = {k.replace("layers.1.", "layers.7."): v for k, v in good.items()}
+        assert load(elsewhere, "elsewhere", standin).status_code == 200  # vLLM ignores modules it lacks
+        assert standin.loras["elsewhere"]["ignored"] == [f"model.layers.7.self_attn.{p}" for p in ("q_proj", "v_proj")]
+
+
+def test_a_restarted_lora_node_takes_over_what_vllm_holds_and_unloads_the_rest(
+    sessions, tmp_path: Path, standin: VllmStandIn, rng
+) -> None:
+    registry = Registry(sessions, FolderStore(tmp_path / "store"), "lora-restart")
+    states, infos = publish_chain(registry, lora_state(rng), 2, rng)
+    before = VllmAdapter(standin.url, registry, tmp_path / "work", mode="lora", lora_config=LORA_CONFIG)
+    assert before.apply(0).ok and before.apply(1).ok
+    before.close()  # the node process ends; vLLM keeps both adapters
+
+    after = VllmAdapter(standin.url, registry, tmp_path / "work", mode="lora", lora_config=LORA_CONFIG)
+    calls = len(standin.calls)
+    assert after.wait_ready(threading.Event()) and after.apply(1).ok
+    assert "/v1/load_lora_adapter" not in [c.path for c in standin.calls[calls:]]  # v1 taken as vLLM holds it
+    assert after.unload_strays() == ["lora-restart-v0"] and after.unload_strays() == []
+    assert sorted(standin.loras) == ["lora-restart-v1"] and not (tmp_path / "work" / "lora-restart-v0").exists()
+    assert after.model_names() == {1: "lora-restart-v1"} and after.current() == (1, infos[1].sha256)

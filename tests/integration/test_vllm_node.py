@@ -1,15 +1,23 @@
 """``flywheel node`` with ``node.engine = "vllm"``: the node process keeps a vLLM server (the stand-in
 that follows vLLM's HTTP contract, tests/fixtures/vllm_standin.py) on the registry's stable
-version: it registers the weights vLLM started from, reloads each promoted version in place, and
-keeps the last good one when a version is corrupt, reporting it in its heartbeat."""
+version and keeps the last good one when a version is corrupt, reporting it in its heartbeat.
+Full mode registers the weights vLLM started from and reloads each promoted version in place; LoRA
+mode bootstraps the zero adapter, loads each version as an adapter (canary preloaded) and, behind
+the gateway, is sent ``model = <line>-v<version>`` while the client sees the line."""
 
 from __future__ import annotations
 
+import json
 import random
 import threading
+import time
+import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
+import safetensors.torch
+import torch
 from sqlalchemy import select
 
 from flywheel.db.models import Node
@@ -19,7 +27,7 @@ from flywheel.weights.codec import encode_full
 from flywheel.weights.registry import Registry
 from flywheel.weights.store import FolderStore
 from serving.node.main import run as run_node
-from tests.fixtures.roles import RoleThread, wait_until
+from tests.fixtures.roles import MESSAGES, RoleThread, free_port, wait_until
 from tests.fixtures.vllm_standin import VllmStandIn
 from tests.integration.test_registry import make_state, train_step
 
@@ -79,3 +87,255 @@ def test_a_vllm_node_follows_the_registry_and_keeps_the_last_good_version(tmp_pa
 def test_a_vllm_node_needs_its_url() -> None:
     with pytest.raises(SettingsError, match="vllm_url"):
         load_settings(node={"engine": "vllm"})
+
+
+# --- LoRA mode ------------------------------------------------------------------------------------
+
+LORA_LINE = "lora-node-line"
+LORA_NODE = "vllm-lora-0"
+PROJ = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def lora_base_model(folder: Path, rng: random.Random, hidden: int = 32, layers: int = 2) -> Path:
+    """A base model folder as vLLM would be started from (only its safetensors matter here)."""
+    g = torch.Generator().manual_seed(rng.getrandbits(63))
+    state = {"model.embed_tokens.weight": torch.randn(50, hidden, generator=g).bfloat16(),
+             "model.norm.weight": torch.ones(hidden, dtype=torch.bfloat16)}
+    for i in range(layers):
+        for proj in PROJ:
+            state[f"model.layers.{i}.self_attn.{proj}.weight"] = torch.randn(hidden, hidden, generator=g).bfloat16()
+        state[f"model.layers.{i}.mlp.up_proj.weight"] = torch.randn(2 * hidden, hidden, generator=g).bfloat16()
+    folder.mkdir()
+    (folder / "model.safetensors").write_bytes(encode_full(state))
+    return folder
+
+
+def linear_layers(model: Path) -> dict[str, tuple[int, int]]:
+    """The model's linear layers as vLLM's LoRA manager sees them: module -> (out_features, in_features)."""
+    state = safetensors.torch.load_file(model / "model.safetensors")
+    return {n.removesuffix(".weight"): tuple(t.shape) for n, t in state.items()
+            if t.dim() == 2 and n.endswith("_proj.weight")}
+
+
+def trained(rng: random.Random, adapter: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The next adapter version: every B moved (as training moves it), A kept."""
+    g = torch.Generator().manual_seed(rng.getrandbits(63))
+    return {name: (t.float() + torch.randn(t.shape, generator=g) * 0.01).bfloat16() if ".lora_B." in name else t.clone()
+            for name, t in adapter.items()}
+
+
+def lora_settings(tmp_path: Path, db_url: str, model: Path, vllm_url: str, **extra: Any) -> Any:
+    return load_settings(data_dir=str(tmp_path), db={"url": db_url, "wait_s": 10},
+                         model={"line": LORA_LINE, "path": str(model)}, trainer={"lora_rank": 4},
+                         node={"engine": "vllm", "vllm_mode": "lora", "vllm_url": vllm_url, "node_id": LORA_NODE,
+                               "poll_s": 0.2, "keep_versions": 2, **extra.pop("node", {})}, **extra)
+
+
+def test_a_lora_mode_node_follows_promotions_and_rollbacks_and_keeps_corrupt_adapters_out(tmp_path: Path) -> None:
+    from serving.rollout import manual_rollback
+
+    rng = random.Random(21)
+    model = lora_base_model(tmp_path / "model", rng)
+    db_url = f"sqlite:///{tmp_path / 'fw.db'}"
+    upgrade(db_url)
+    db = make_engine(db_url)
+    sessions = make_session_factory(db)
+    registry = Registry(sessions, FolderStore(tmp_path / "weights"), LORA_LINE)
+
+    def node_row() -> tuple[int | None, str]:
+        with sessions() as s:
+            row = s.scalar(select(Node).where(Node.node_id == LORA_NODE))
+            return (row.live_version, row.status) if row is not None else (None, "")
+
+    stop = threading.Event()
+    with VllmStandIn(max_lora_rank=8, lora_modules=linear_layers(model)) as standin:
+        node = RoleThread("vllm-lora-node", run_node, lora_settings(tmp_path, db_url, model, standin.url), stop)
+        node.start()
+
+        def loads() -> list[str]:
+            return [c.body["lora_name"] for c in standin.calls if c.path == "/v1/load_lora_adapter"]
+
+        try:
+            # An empty registry: the node publishes the zero adapter as stable v0, and vLLM serves it.
+            wait_until("v0 bootstrapped and live", lambda: node_row() == (0, "serving"), timeout_s=30)
+            v0 = registry.get(0)
+            zero = registry.load(0)
+            assert v0.status == "stable" and v0.kind == "full" and v0.metrics["base"].startswith("vllm node bootstrap")
+            assert sorted(zero) == sorted(f"base_model.model.model.layers.{i}.self_attn.{p}.lora_{x}.weight"
+                                          for i in range(2) for p in PROJ for x in "AB")
+            assert all(not t.any() for n, t in zero.items() if ".lora_B." in n)  # serves the base exactly
+            assert all(t.abs().max() > 0 for n, t in zero.items() if ".lora_A." in n)  # so training can move B
+            assert list(standin.loras) == [f"{LORA_LINE}-v0"] and loads() == [f"{LORA_LINE}-v0"]
+            loaded = standin.loras[f"{LORA_LINE}-v0"]
+            assert loaded["sha256"] == v0.sha256 and loaded["ignored"] == []  # every module reached a layer
+            assert (loaded["config"]["r"], loaded["config"]["lora_alpha"], loaded["config"]["target_modules"]) == (
+                4, 16.0, list(PROJ))
+            assert not any(c.path in ("/collective_rpc", "/pause") for c in standin.calls)  # vLLM keeps its base
+
+            # A promotion: the new adapter is loaded and goes live.
+            state1 = trained(rng, zero)
+            v1 = registry.publish(state1, parent=0, parent_state=zero)
+            registry.set_status(v1.version, "stable", reason="test")
+            wait_until("v1 live", lambda: node_row() == (1, "serving"), timeout_s=30)
+            assert standin.loras[f"{LORA_LINE}-v1"]["sha256"] == v1.sha256
+
+            # A canary is preloaded beside it, not made live; the oldest adapter is unloaded (keep 2).
+            state2 = trained(rng, state1)
+            v2 = registry.publish(state2, parent=1, parent_state=state1)
+            registry.set_status(v2.version, "canary", reason="test")
+            wait_until("the canary preloaded", lambda: sorted(standin.loras) == [f"{LORA_LINE}-v1", f"{LORA_LINE}-v2"],
+                       timeout_s=30)
+            assert node_row() == (1, "serving")
+            assert [c.body for c in standin.calls if c.path == "/v1/unload_lora_adapter"] == [
+                {"lora_name": f"{LORA_LINE}-v0"}]
+
+            # Promoting the canary and rolling it back switch between held adapters: nothing is loaded.
+            before = loads()
+            registry.set_status(v2.version, "stable", reason="test")
+            wait_until("v2 live", lambda: node_row() == (2, "serving"), timeout_s=30)
+            manual_rollback(registry, v2.version, "test")
+            wait_until("v1 restored", lambda: node_row() == (1, "serving"), timeout_s=30)
+            assert loads() == before and sorted(standin.loras) == [f"{LORA_LINE}-v1", f"{LORA_LINE}-v2"]
+
+            # A corrupt adapter version never reaches vLLM; the node keeps v1 and says why.
+            v3 = registry.publish(trained(rng, state1), parent=1, parent_state=state1)
+            blob = bytearray(registry.store.get(v3.store_key))
+            blob[-3] ^= 0xFF
+            registry.store.put(v3.store_key, bytes(blob))
+            registry.set_status(v3.version, "stable", reason="test: corrupt")
+            wait_until("the failure reported", lambda: node_row() == (1, "failed_update"), timeout_s=30)
+            assert f"{LORA_LINE}-v3" not in loads() and not (tmp_path / "vllm" / f"{LORA_LINE}-v3").exists()
+            assert node.error is None and node.is_alive()
+        finally:
+            stop.set()
+            node.join(timeout=30)
+            db.dispose()
+    assert node.error is None
+
+
+def test_lora_mode_settings_are_checked() -> None:
+    with pytest.raises(SettingsError, match="vllm_mode"):
+        load_settings(node={"vllm_mode": "lora"})  # the built-in engine serves full weights
+    with pytest.raises(SettingsError, match="lora_rank"):
+        load_settings(trainer={"lora_publish": "adapter"})
+
+
+def test_the_gateway_names_the_lora_version_to_vllm_and_the_client_sees_the_line(
+    tmp_path: Path, redis_url: str, live_prefix: str
+) -> None:
+    """The gateway in front of a LoRA-mode node: vLLM is sent ``<line>-v<version>`` for the session's
+    version; the client and the captured event see the line and the version, as from a built-in node."""
+    import httpx
+
+    from flywheel.bus import make_bus
+    from flywheel.events import GenerationEvent
+    from serving.gateway.main import run as run_gateway
+
+    rng = random.Random(5)
+    model = lora_base_model(tmp_path / "model", rng)
+    db_url = f"sqlite:///{tmp_path / 'fw.db'}"
+    upgrade(db_url)
+    db = make_engine(db_url)
+    registry = Registry(make_session_factory(db), FolderStore(tmp_path / "weights"), LORA_LINE)
+    stop = threading.Event()
+    with VllmStandIn(served_model_name="base", max_lora_rank=8, lora_modules=linear_layers(model)) as standin, \
+            httpx.Client(timeout=30) as http:
+        settings = lora_settings(
+            tmp_path, db_url, model, standin.url, store={"path": str(tmp_path / "weights")},
+            live={"kind": "redis", "redis_url": redis_url, "key_prefix": live_prefix},
+            bus={"kind": "local", "partitions": 1, "topic_prefix": f"lora-{uuid.uuid4().hex[:8]}."},
+            gateway={"port": free_port()})
+        gateway = f"http://127.0.0.1:{settings.gateway.port}"
+        roles = [RoleThread("vllm-lora-node", run_node, settings, stop),
+                 RoleThread("gateway", run_gateway, settings, stop)]
+        for role in roles:
+            role.start()
+
+        def fleet(stable: int, held: set[int]) -> bool:
+            assert all(r.error is None for r in roles), [r.error for r in roles]
+            shown = http.get(f"{gateway}/v1/models").json()["data"][0]["flywheel"]
+            nodes = [(n["node_id"], n["live_version"], set(n["versions"])) for n in shown["nodes"]]
+            return shown["stable"] == stable and nodes == [(LORA_NODE, stable, held)]
+
+        def chat(session: str | None = None, path: str = "/v1/chat/completions", **body: Any) -> httpx.Response:
+            payload = {"messages": MESSAGES} if path.endswith("chat/completions") else {"prompt": "sort: 3 1 2"}
+            r = http.post(f"{gateway}{path}", headers={"X-Flywheel-Session": session} if session else {},
+                          json={**payload, "max_tokens": 3, **body})
+            assert r.status_code == 200, r.text
+            return r
+
+        def sent() -> str:
+            return [c.body["model"] for c in standin.calls if c.path.endswith("completions")][-1]
+
+        served: list[tuple[str, int, str]] = []  # (session, version, generation)
+
+        def record(r: httpx.Response) -> tuple[str, int]:
+            session, version = r.headers["X-Flywheel-Session"], int(r.headers["X-Flywheel-Model-Version"])
+            served.append((session, version, r.headers["X-Flywheel-Generation"]))
+            return session, version
+
+        try:
+            wait_until("the gateway to see v0 on the node", lambda: fleet(0, {0}), timeout_s=60)
+            r = chat()
+            body = r.json()
+            assert (body["model"], body["model_version"]) == (LORA_LINE, 0) and sent() == f"{LORA_LINE}-v0"
+            assert "token_ids" not in body["choices"][0] and "prompt_token_ids" not in body  # only what was asked
+            old, _ = record(r)
+
+            zero = registry.load(0)
+            v1 = registry.publish(trained(rng, zero), parent=0, parent_state=zero)
+            registry.set_status(v1.version, "stable", reason="test")
+            wait_until("the gateway to see v1 on the node", lambda: fleet(1, {0, 1}), timeout_s=60)
+            assert record(chat(old)) == (old, 0) and sent() == f"{LORA_LINE}-v0"  # sticky: the session keeps v0
+            r = chat()
+            new, version = record(r)
+            assert version == 1 and sent() == f"{LORA_LINE}-v1" and r.json()["model"] == LORA_LINE
+
+            # A stream: every chunk names the line and the version; the text endpoint too.
+            with http.stream("POST", f"{gateway}/v1/chat/completions", headers={"X-Flywheel-Session": new},
+                             json={"messages": MESSAGES, "max_tokens": 3, "stream": True}) as s:
+                assert s.status_code == 200 and s.headers["X-Flywheel-Model-Version"] == "1"
+                lines = [line.removeprefix("data: ") for line in s.iter_lines() if line.startswith("data: ")]
+                served.append((new, 1, s.headers["X-Flywheel-Generation"]))
+            chunks = [json.loads(line) for line in lines[:-1]]
+            assert lines[-1] == "[DONE]" and chunks and sent() == f"{LORA_LINE}-v1"
+            assert all((c["model"], c["model_version"]) == (LORA_LINE, 1) for c in chunks)
+            r = chat(new, path="/v1/completions")
+            assert (r.json()["model"], r.json()["model_version"]) == (LORA_LINE, 1) and sent() == f"{LORA_LINE}-v1"
+            record(r)
+
+            # vLLM loses v0 behind the node's back: its 404 moves the session on, as a node's 409 would.
+            gone = http.post(f"{standin.url}/v1/unload_lora_adapter", json={"lora_name": f"{LORA_LINE}-v0"})
+            assert gone.status_code == 200
+            r = chat(old)
+            assert record(r) == (old, 1) and sent() == f"{LORA_LINE}-v1"
+            assert [c.body["model"] for c in standin.calls if c.path.endswith("completions")][-2:] == [
+                f"{LORA_LINE}-v0", f"{LORA_LINE}-v1"]
+
+            # Captured: one event per generation, naming the line, the version and the node.
+            wait_until("the spool to ship", lambda: http.get(f"{gateway}/admin/capture").json()["events"] == 0,
+                       timeout_s=30)
+            bus = make_bus(settings)
+            consumer = bus.consumer("check", [settings.topic("generations")])
+            events: dict[str, GenerationEvent] = {}
+            try:
+                deadline = time.monotonic() + 20
+                while len(events) < len(served) and time.monotonic() < deadline:
+                    for record_ in consumer.poll(timeout_s=0.3, max_records=100):
+                        event = GenerationEvent.from_bytes(record_.value)
+                        events[event.generation_id] = event
+            finally:
+                consumer.close()
+                bus.close()
+            for session, version, generation in served:
+                event = events[generation]
+                assert (event.session_id, event.model_line, event.model_version, event.node_id) == (
+                    session, LORA_LINE, version, LORA_NODE)
+                assert event.response["model"] == LORA_LINE and event.response["model_version"] == version
+                assert len(event.completion_token_ids) == len(event.completion_logprobs) == 3
+        finally:
+            stop.set()
+            for role in roles:
+                role.join(timeout=30)
+            db.dispose()
+    assert all(r.error is None and not r.is_alive() for r in roles), [r.error for r in roles]

@@ -93,3 +93,27 @@ def test_a_batch_is_split_by_version_and_unnamed_requests_join_the_live_one():
     as_versions = sorted(sorted(p.request.version or 0 for p in g) for g in groups)
     assert as_versions == [[0, 0, 3], [2], [2], [3]]
     assert all(len({p.request.version for p in g} - {None}) <= 1 for g in groups)  # one named version per group
+
+
+def test_a_node_that_names_its_versions_by_model_holds_only_those_and_its_answers_become_the_lines():
+    from serving.gateway.capture import CaptureError
+    from serving.gateway.routing import Upstream, as_line
+
+    beats = {
+        "lora": {"url": "http://vllm:8000/", "model_line": "m", "live_version": 3, "versions": [2, 3, 4],
+                 "model_names": {"2": "m-v2", "3": "m-v3", "x": "bad", "5": ""}},
+        "plain": {"url": "http://node:1", "model_line": "m", "live_version": 3, "versions": [3]},
+    }
+    lora, plain = nodes_from_heartbeats(beats, "m")
+    assert lora.versions == (2, 3) and lora.model_names == ((2, "m-v2"), (3, "m-v3"))  # 4: no name, not held
+    assert (lora.model_for(3), lora.model_for(4), lora.model_for(None)) == ("m-v3", None, None)
+    assert plain.model_names is None and plain.model_for(3) is None
+
+    target = Upstream("http://vllm:8000", "lora", names_versions=True, model="m-v3", version=3)
+    answer = {"id": "x", "model": "m-v3", "choices": [{"index": 0}]}
+    assert as_line(answer, target, "m") == {"id": "x", "model": "m", "model_version": 3, "choices": [{"index": 0}]}
+    assert answer["model"] == "m-v3"  # a copy: the upstream's answer is not touched
+    with pytest.raises(CaptureError, match="m-v2"):
+        as_line({"model": "m-v2"}, target, "m")  # vLLM served another adapter than it was sent
+    assert as_line(answer, Upstream("http://node:1", "plain"), "m") is answer  # other nodes: unchanged
+    assert Upstream("u", names_versions=True).unavailable and not target.unavailable and not Upstream("u").unavailable

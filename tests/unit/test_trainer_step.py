@@ -200,3 +200,58 @@ def test_lora_policy_exports_base_names_and_starts_equal(tiny) -> None:
     assert all(torch.equal(other.export()[k], moved[k]) for k in moved)
     other.load_published(plain)
     assert all(torch.equal(other.export()[k], plain[k]) for k in plain)
+
+
+def test_lora_adapter_versions_are_the_peft_adapter_state(tiny, tmp_path) -> None:
+    """``trainer.lora_publish = "adapter"``: a version is the adapter state under the names PEFT saves
+    (and vLLM loads), B = 0 at the start; a published version loads back into the LoRA parameters on
+    the unchanged base; full weights are refused; the checkpoint master reproduces the export."""
+    import safetensors.torch
+    from pydantic import ValidationError
+
+    from flywheel.tinymodel.sampling import export_state
+    from flywheel.weights.codec import state_sha256
+    from trainer.policy import Policy
+
+    with pytest.raises(ValidationError, match="lora_rank"):
+        TrainerSettings(lora_publish="adapter")
+    cfg = TrainerSettings(lora_rank=4, lora_publish="adapter")
+    policy = Policy(copy.deepcopy(tiny), cfg)
+    v0 = policy.export()
+    policy.model.save_pretrained(tmp_path / "peft", save_embedding_layers=False)
+    saved = safetensors.torch.load_file(tmp_path / "peft" / "adapter_model.safetensors")
+    assert v0.keys() == saved.keys()  # PEFT's own file format, which vLLM's LoRA loader reads
+    weights = dict(tiny.named_parameters())
+    targets = [n.removesuffix(".weight") for n in weights if n.endswith(tuple(f"{t}.weight" for t in cfg.lora_targets))]
+    assert targets and v0.keys() == {f"base_model.model.{m}.lora_{x}.weight" for m in targets for x in "AB"}
+    for m in targets:
+        out_features, in_features = weights[f"{m}.weight"].shape
+        a, b = v0[f"base_model.model.{m}.lora_A.weight"], v0[f"base_model.model.{m}.lora_B.weight"]
+        assert a.shape == (4, in_features) and b.shape == (out_features, 4)
+        assert a.dtype == b.dtype == torch.bfloat16 and not b.any() and a.any()
+
+    with torch.no_grad():
+        for name, p in policy.model.named_parameters():
+            if ".lora_B." in name:
+                p.normal_(0, 0.05)
+    v1 = policy.export()
+    assert all(torch.equal(v1[k], v0[k]) for k in v1 if ".lora_A." in k) and any(v1[k].any() for k in v1)
+
+    other = Policy(copy.deepcopy(tiny), cfg)  # other random A: loading replaces both A and B
+    other.load_published(v1)
+    assert all(torch.equal(other.export()[k], v1[k]) for k in v1)
+    base = {n: p for n, p in other.model.named_parameters() if ".lora_" not in n}
+    assert all(torch.equal(p, weights[n.removeprefix("base_model.model.").replace(".base_layer.", ".")])
+               for n, p in base.items())  # the base is still model.path's
+    ids = torch.tensor([[3, 4, 5, 6, 7]])
+    with torch.no_grad():
+        assert torch.allclose(other.model(input_ids=ids).logits, policy.model(input_ids=ids).logits, atol=0.05)
+        assert not torch.allclose(other.model(input_ids=ids).logits, tiny(input_ids=ids).logits, atol=1e-3)
+
+    with pytest.raises(ValueError, match="full model weights"):
+        other.load_published(export_state(tiny))
+    with pytest.raises(ValueError, match="shapes"):
+        other.load_published({k: torch.zeros(8, *v.shape[1:]) if ".lora_A." in k else v for k, v in v1.items()})
+    resumed = Policy(copy.deepcopy(tiny), cfg)
+    resumed.load_master(policy.master_state())
+    assert state_sha256(resumed.export()) == state_sha256(v1)  # the resume hash check holds
