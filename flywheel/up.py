@@ -48,12 +48,15 @@ def prepare(settings: Settings) -> Settings:
 
 
 def register_base(settings: Settings) -> None:
-    """Register the base model as stable version 0 of its line when the registry is empty."""
+    """Register the base model as stable version 0 of its line when the registry is empty (an
+    adapter line's version 0 is the zero adapter, which the LoRA node or the trainer registers)."""
     from flywheel.db.session import make_engine, make_session_factory
     from flywheel.tinymodel.sampling import export_state, load_model
     from flywheel.weights.registry import Registry
     from flywheel.weights.store import make_store
 
+    if settings.trainer.lora_publish == "adapter":
+        return
     registry = Registry(make_session_factory(make_engine(settings.database_url)), make_store(settings), settings.model.line)
     if registry.latest() is None:
         info = registry.ensure_base(export_state(load_model(settings.model.path)[0]), reason=f"base model {settings.model.path}")
@@ -99,9 +102,10 @@ class Stack:
         return _Child(role, proc, log_path, restarts=restarts)
 
     def wait_ready(self, timeout_s: float = 300.0) -> None:
-        """Block until the node and the gateway answer /health, or raise with the failing log's tail."""
+        """Block until the node and the gateway answer /health, or raise with the failing log's tail
+        (a vLLM node process serves nothing itself: vLLM does)."""
         urls = {}
-        if "node" in self.roles:
+        if "node" in self.roles and self.settings.node.engine == "builtin":
             urls["node"] = f"http://{self.settings.node.host}:{self.settings.node.port}/health"
         if "gateway" in self.roles:
             urls["gateway"] = f"http://{self.settings.gateway.host}:{self.settings.gateway.port}/health"

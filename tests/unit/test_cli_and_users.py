@@ -48,3 +48,19 @@ def test_every_reaction_is_valid_feedback():
         for correct in (True, False):
             for item in react(rng, Behaviour(), correct, attempt, "gen-1").feedback:
                 FeedbackEvent(tenant="t", session_id="s", feedback_id="f", **item)  # raises if invalid
+
+
+@pytest.mark.parametrize("publish", ["merged", "adapter"])
+def test_up_registers_the_base_model_except_on_an_adapter_line(tmp_path, tiny_model_dir, publish) -> None:
+    from flywheel.db.session import make_engine, make_session_factory
+    from flywheel.settings import load_settings
+    from flywheel.up import prepare
+    from flywheel.weights.registry import Registry
+    from flywheel.weights.store import make_store
+
+    settings = prepare(load_settings(None, data_dir=str(tmp_path), model={"path": str(tiny_model_dir)},
+                                     trainer={"lora_rank": 4, "lora_publish": publish}))
+    registry = Registry(make_session_factory(make_engine(settings.database_url)), make_store(settings), settings.model.line)
+    latest = registry.latest()
+    # An adapter line's v0 is the zero adapter (the LoRA node or the trainer registers it), never full weights.
+    assert (latest is None) if publish == "adapter" else (latest is not None and latest.version == 0 and latest.kind == "full")
