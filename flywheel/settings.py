@@ -141,8 +141,9 @@ class NodeSettings(_Section):
     max_body_bytes: int = Field(1_000_000, ge=1_024)
     seed: int = 0
     #: builtin: this process serves with the built-in engine. vllm: a vLLM server at ``vllm_url``
-    #: serves and this process only keeps it on the registry's versions (serving/node/vllm_adapter.py,
-    #: docs/vllm.md), as ``vllm_mode`` says.
+    #: generates and this process keeps it on the registry's versions (serving/node/vllm_adapter.py,
+    #: docs/vllm.md), as ``vllm_mode`` says; in full mode this process also serves the front the
+    #: gateway talks to, stamping each answer with its version (serving/node/vllm_front.py).
     engine: Literal["builtin", "vllm"] = "builtin"
     vllm_url: str = ""
     #: engine = "vllm": ``full``: versions are full weights, reloaded in place (vLLM started with

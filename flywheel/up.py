@@ -103,9 +103,10 @@ class Stack:
 
     def wait_ready(self, timeout_s: float = 300.0) -> None:
         """Block until the node and the gateway answer /health, or raise with the failing log's tail
-        (a vLLM node process serves nothing itself: vLLM does)."""
+        (a LoRA-mode vLLM node process serves nothing itself: vLLM does)."""
         urls = {}
-        if "node" in self.roles and self.settings.node.engine == "builtin":
+        node = self.settings.node
+        if "node" in self.roles and not (node.engine == "vllm" and node.vllm_mode == "lora"):
             urls["node"] = f"http://{self.settings.node.host}:{self.settings.node.port}/health"
         if "gateway" in self.roles:
             urls["gateway"] = f"http://{self.settings.gateway.host}:{self.settings.gateway.port}/health"

@@ -7,8 +7,10 @@ so every generation this node serves names a registered version; otherwise follo
 version before accepting traffic (and preload a canary version, if any). Then serve until
 stopped, with the updater polling. The engine keeps the last ``node.keep_versions`` versions.
 
-With ``node.engine = "vllm"`` the process serves nothing itself: :func:`run_vllm` keeps a vLLM
-server on the registry's versions, as full weights or as LoRA adapters (``node.vllm_mode``).
+With ``node.engine = "vllm"``, :func:`run_vllm` keeps a vLLM server on the registry's versions, as
+full weights or as LoRA adapters (``node.vllm_mode``). In full mode the process also serves the
+front (``serving/node/vllm_front.py``) that the gateway reaches: vLLM's answers stamped with the
+version that produced them.
 """
 
 from __future__ import annotations
@@ -94,25 +96,30 @@ def run(settings: Settings, stop: threading.Event | None = None) -> None:
 def run_vllm(settings: Settings, stop: threading.Event | None = None) -> None:
     """Keep the vLLM server at ``node.vllm_url`` on the registry's stable version until ``stop``.
 
-    vLLM serves the requests (the gateway reaches it at ``node.vllm_url``, from this node's
-    heartbeat); this process follows the registry through a
+    vLLM generates; this process follows the registry through a
     :class:`~serving.node.vllm_adapter.VllmAdapter`, exactly as the built-in node follows it through
     its engine, in the mode ``node.vllm_mode`` names:
 
     - ``full``: it names the weights vLLM started from with their registry version (publishing
-      them as version 0 on an empty registry), then reloads each new stable version in place.
+      them as version 0 on an empty registry), waits for vLLM to answer, then reloads each new
+      stable version in place. It serves the front on ``node.host:node.port`` (the URL its
+      heartbeat carries, so the gateway sends requests there): requests are forwarded to vLLM and
+      stamped with the live version, which a reload cannot change while one is in flight
+      (:class:`~serving.node.vllm_front.VersionGate`).
     - ``lora``: vLLM serves the fixed base model ``model.path``; every version is a LoRA adapter
       (``trainer.lora_*`` describe them), loaded at runtime and served as ``<line>-v<version>``,
       with the canary preloaded. On an empty registry it publishes the zero adapter as version 0.
       It waits for vLLM to answer, then must get the stable version loaded before it carries on
-      (else it raises, as the built-in node does); the heartbeat's ``model_names`` tell the
-      gateway which ``model`` to send for each version."""
+      (else it raises, as the built-in node does); the heartbeat carries ``node.vllm_url`` and
+      ``model_names``, which tell the gateway which ``model`` to send vLLM for each version."""
     if settings.node.vllm_mode == "lora":
         _run_vllm_lora(settings, stop or threading.Event())
         return
     from flywheel.weights.codec import decode_full, state_sha256
-    from serving.node.updater import Updater
+    from serving.node.updater import Updater, node_url
     from serving.node.vllm_adapter import VllmAdapter
+    from serving.node.vllm_front import VersionGate, create_front
+    from serving.server import bind, serve
 
     stop = stop or threading.Event()
     with contextlib.ExitStack() as cleanup:
@@ -131,18 +138,27 @@ def run_vllm(settings: Settings, stop: threading.Event | None = None) -> None:
         if base is None:
             raise RuntimeError(f"the weights in {base_path} are no registered version of {settings.model.line}")
         work_dir = settings.node.vllm_work_dir or str(settings.data_path / "vllm")
+        gate = VersionGate()
         adapter = VllmAdapter(settings.node.vllm_url, registry, work_dir, mode="full",
                               served_model_name=settings.model.line, base_version=base.version,
-                              base_state=base_state, base_path=base_path)
+                              base_state=base_state, base_path=base_path, gate=gate)
         cleanup.callback(adapter.close)
-        updater = Updater(adapter, registry, settings, session_factory=sessions, live=live,
-                          url=settings.node.vllm_url)
+        if not adapter.wait_ready(stop):
+            return
+        # Listen before the first heartbeat names this URL: the gateway's first requests queue in
+        # the socket's backlog until the front accepts them, instead of being refused.
+        sock = bind(settings.node.host, settings.node.port)
+        cleanup.callback(sock.close)
+        url = node_url(settings)
+        updater = Updater(adapter, registry, settings, session_factory=sessions, live=live, url=url)
         updater.check_once()
         updater.start()
         cleanup.callback(updater.stop)
-        log.info("node %s keeps vLLM at %s on %s (v%s)", settings.node.node_id, settings.node.vllm_url,
-                 settings.model.line, adapter.current()[0])
-        stop.wait()
+        app = create_front(adapter, gate, settings, updater)
+        log.info("node %s serves %s v%s from vLLM at %s on %s", settings.node.node_id, settings.model.line,
+                 adapter.current()[0], settings.node.vllm_url, url)
+        serve(app, host=settings.node.host, port=settings.node.port, stop=stop, sock=sock,
+              log_level=settings.log_level)
 
 
 def _run_vllm_lora(settings: Settings, stop: threading.Event) -> None:

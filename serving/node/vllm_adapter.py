@@ -39,10 +39,16 @@ Invariants:
 - One load at a time (a lock held across the HTTP calls); readers (``current``, ``model_for``)
   take only a short second lock, so they never wait for vLLM. The adapter never starts or
   restarts vLLM.
+- Full mode with a ``gate`` (the node's front, ``serving/node/vllm_front.py``): everything that
+  changes what vLLM holds (pause, reload, restore, resume) and the change of :meth:`current` happen
+  inside ``gate.exclusive()``, which first waits for the requests in flight; so a request that
+  holds the gate shared sees one version from its start to its end. The weights file is written
+  before the gate is taken.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -104,6 +110,7 @@ class VllmAdapter:
         base_state: State | None = None,
         base_path: str | os.PathLike[str] | None = None,
         pause: bool = True,
+        gate: Any = None,
         api_key: str = "",
         connect_timeout_s: float = 5.0,
         request_timeout_s: float = 60.0,
@@ -118,7 +125,9 @@ class VllmAdapter:
         reconstruction and :meth:`current` is ``None`` until then. ``base_path``: the model folder
         vLLM was started from, reloaded to restore the base version after a failed update.
         ``pause``: full mode, drain requests (``/pause?mode=wait``) around the reload so that no
-        generation mixes two versions."""
+        generation mixes two versions. ``gate``: full mode, an object whose ``exclusive()`` context
+        manager is held around each reload (see the module docstring), e.g. the front's
+        :class:`~serving.node.vllm_front.VersionGate`."""
         if mode not in ("lora", "full"):
             raise ValueError(f"mode must be 'lora' or 'full', not {mode!r}")
         if keep_versions < 1:
@@ -135,6 +144,7 @@ class VllmAdapter:
         self.keep_versions = keep_versions if mode == "lora" else 1
         self.lora_config = dict(lora_config or {})
         self.pause = pause
+        self.gate = gate
         self.reload_timeout_s = reload_timeout_s
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._http = httpx.Client(
@@ -380,19 +390,20 @@ class VllmAdapter:
         if version == self._live:
             return
         folder = self._materialise(self.work_dir / "full" / f"{self.line}-v{version}", state, sha256)
-        previous = self._live
-        previous_folder = self._held[previous][1] if previous is not None else None
-        try:
-            self._reload(folder)
-        except VllmError as exc:
-            if exc.status is not None and 400 <= exc.status < 500:
-                raise  # refused before touching the weights (dev mode off, bad request)
-            raise self._restore(previous, previous_folder, exc) from exc
-        with self._lock:
-            self._held = {version: (sha256, folder)}
-            self._order = [version]
-            self._states = {version: state}
-            self._live = version
+        with self.gate.exclusive() if self.gate is not None else contextlib.nullcontext():
+            previous = self._live
+            previous_folder = self._held[previous][1] if previous is not None else None
+            try:
+                self._reload(folder)
+            except VllmError as exc:
+                if exc.status is not None and 400 <= exc.status < 500:
+                    raise  # refused before touching the weights (dev mode off, bad request)
+                raise self._restore(previous, previous_folder, exc) from exc
+            with self._lock:
+                self._held = {version: (sha256, folder)}
+                self._order = [version]
+                self._states = {version: state}
+                self._live = version
         for stale in (self.work_dir / "full").iterdir():
             if stale != folder:
                 shutil.rmtree(stale, ignore_errors=True)

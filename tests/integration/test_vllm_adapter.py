@@ -396,6 +396,48 @@ def test_the_standin_refuses_what_vllm_refuses(tmp_path: Path, rng) -> None:
         assert standin.loras["elsewhere"]["ignored"] == [f"model.layers.7.self_attn.{p}" for p in ("q_proj", "v_proj")]
 
 
+def test_the_standins_pause_follows_vllms_scheduler(tmp_path: Path) -> None:
+    """The stand-in pauses as vLLM's engine does: ``mode=wait`` answers once the completions in flight
+    have finished, completions sent while paused start only after ``/resume``, ``abort`` ends those
+    in flight at once, and each generation records the weights that decoded every token."""
+    with VllmStandIn(served_model_name="m") as standin, httpx.Client(base_url=standin.url, timeout=30) as http:
+        def complete(max_tokens: int) -> dict[str, Any]:
+            return http.post("/v1/completions", json={"model": "m", "prompt": "x", "max_tokens": max_tokens}).json()
+
+        standin.token_delay_s = 0.1
+        slow = threading.Thread(target=complete, args=(10,))
+        slow.start()
+        while standin.in_flight == 0:
+            time.sleep(0.01)
+        started = time.monotonic()
+        assert http.post("/pause", params={"mode": "wait"}).json() == {"status": "paused"}
+        assert time.monotonic() - started > 0.3 and standin.in_flight == 0  # it waited for the slow one
+        slow.join(5)
+        assert standin.generations[0].finish_reason == "length" and len(standin.generations[0].weights) == 10
+
+        answers: list[dict[str, Any]] = []
+        held = threading.Thread(target=lambda: answers.append(complete(2)))
+        held.start()
+        time.sleep(0.3)
+        assert not answers and standin.in_flight == 0  # not scheduled while paused
+        standin.weights_sha256 = "after-the-reload"
+        http.post("/resume")
+        held.join(5)
+        assert answers[0]["choices"][0]["finish_reason"] == "length"
+        assert standin.generations[1].weights == ["after-the-reload"] * 2
+
+        aborted = threading.Thread(target=lambda: answers.append(complete(50)))
+        aborted.start()
+        while len(standin.generations) < 3 or not standin.generations[2].weights:  # a token decoded
+            time.sleep(0.01)
+        started = time.monotonic()
+        assert http.post("/pause", params={"mode": "abort"}).status_code == 200
+        aborted.join(5)
+        assert time.monotonic() - started < 2 and answers[1]["choices"][0]["finish_reason"] == "abort"
+        assert 0 < len(answers[1]["choices"][0]["token_ids"]) < 50
+        http.post("/resume")
+
+
 def test_a_restarted_lora_node_takes_over_what_vllm_holds_and_unloads_the_rest(
     sessions, tmp_path: Path, standin: VllmStandIn, rng
 ) -> None:

@@ -1,7 +1,9 @@
 """``flywheel node`` with ``node.engine = "vllm"``: the node process keeps a vLLM server (the stand-in
 that follows vLLM's HTTP contract, tests/fixtures/vllm_standin.py) on the registry's stable
 version and keeps the last good one when a version is corrupt, reporting it in its heartbeat.
-Full mode registers the weights vLLM started from and reloads each promoted version in place; LoRA
+Full mode registers the weights vLLM started from, reloads each promoted version in place and,
+behind the gateway, serves through its front, which stamps every answer with the version whose
+weights produced it (a generation in flight during a promotion finishes on the old one); LoRA
 mode bootstraps the zero adapter, loads each version as an adapter (canary preloaded) and, behind
 the gateway, is sent ``model = <line>-v<version>`` while the client sees the line."""
 
@@ -55,18 +57,20 @@ def test_a_vllm_node_follows_the_registry_and_keeps_the_last_good_version(tmp_pa
     with VllmStandIn() as standin:
         settings = load_settings(data_dir=str(tmp_path), db={"url": db_url},
                                  model={"line": "vllm-line", "path": str(model)},
-                                 node={"engine": "vllm", "vllm_url": standin.url, "node_id": "vllm-0", "poll_s": 0.2})
+                                 node={"engine": "vllm", "vllm_url": standin.url, "node_id": "vllm-0", "poll_s": 0.2,
+                                       "port": free_port()})
         node = RoleThread("vllm-node", run_node, settings, stop)
         node.start()
         try:
             wait_until("the base registered and live", lambda: live_version() == (0, "serving"), timeout_s=30)
-            assert registry.get(0).status == "stable" and not standin.calls  # nothing reloaded for the base
+            posted = lambda: [c.path for c in standin.calls if c.method == "POST"]  # noqa: E731
+            assert registry.get(0).status == "stable" and not posted()  # nothing reloaded for the base
 
             v1 = registry.publish(train_step(rng, base), parent=0, parent_state=base)
             registry.set_status(v1.version, "stable", reason="test")
             wait_until("vLLM on v1", lambda: live_version() == (1, "serving"), timeout_s=30)
             assert standin.weights_sha256 == v1.sha256
-            assert [c.path for c in standin.calls] == ["/pause", "/collective_rpc", "/reset_prefix_cache", "/resume"]
+            assert posted() == ["/pause", "/collective_rpc", "/reset_prefix_cache", "/resume"]
 
             state1 = registry.load(1)
             v2 = registry.publish(train_step(rng, state1), parent=1, parent_state=state1)
@@ -87,6 +91,170 @@ def test_a_vllm_node_follows_the_registry_and_keeps_the_last_good_version(tmp_pa
 def test_a_vllm_node_needs_its_url() -> None:
     with pytest.raises(SettingsError, match="vllm_url"):
         load_settings(node={"engine": "vllm"})
+
+
+FULL_LINE = "full-node-line"
+FULL_NODE = "vllm-full-0"
+
+
+def captured(settings: Any, count: int) -> dict[str, Any]:
+    """The generation events on the bus, by generation id (at least ``count`` of them, within 20 s)."""
+    from flywheel.bus import make_bus
+    from flywheel.events import GenerationEvent
+
+    bus = make_bus(settings)
+    consumer = bus.consumer("check", [settings.topic("generations")])
+    events: dict[str, Any] = {}
+    try:
+        deadline = time.monotonic() + 20
+        while len(events) < count and time.monotonic() < deadline:
+            for record in consumer.poll(timeout_s=0.3, max_records=100):
+                event = GenerationEvent.from_bytes(record.value)
+                events[event.generation_id] = event
+    finally:
+        consumer.close()
+        bus.close()
+    return events
+
+
+def test_the_gateway_captures_a_full_mode_node_with_the_version_that_produced_each_generation(
+    tmp_path: Path, redis_url: str, live_prefix: str
+) -> None:
+    """The gateway in front of a full-mode node: it reaches the node's front (the heartbeat's URL),
+    and every captured generation names the version whose weights decoded all of its tokens (the
+    stand-in records them per token), across a promotion with a stream in flight, a session stuck
+    on the old version, and a corrupt version that never reaches vLLM."""
+    import httpx
+
+    from serving.gateway.main import run as run_gateway
+    from tests.integration.test_vllm_front import InThread
+
+    rng = random.Random(13)
+    base = make_state(rng)
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "model.safetensors").write_bytes(encode_full(base))
+    db_url = f"sqlite:///{tmp_path / 'fw.db'}"
+    upgrade(db_url)
+    db = make_engine(db_url)
+    sessions = make_session_factory(db)
+    registry = Registry(sessions, FolderStore(tmp_path / "weights"), FULL_LINE)
+    stop = threading.Event()
+    with VllmStandIn(served_model_name=FULL_LINE, weights_path=str(model)) as standin, \
+            httpx.Client(timeout=30) as http:
+        settings = load_settings(
+            data_dir=str(tmp_path), db={"url": db_url, "wait_s": 10}, model={"line": FULL_LINE, "path": str(model)},
+            store={"path": str(tmp_path / "weights")},
+            node={"engine": "vllm", "vllm_url": standin.url, "node_id": FULL_NODE, "poll_s": 0.2, "port": free_port()},
+            live={"kind": "redis", "redis_url": redis_url, "key_prefix": live_prefix},
+            bus={"kind": "local", "partitions": 1, "topic_prefix": f"full-{uuid.uuid4().hex[:8]}."},
+            gateway={"port": free_port()})
+        gateway, node = f"http://127.0.0.1:{settings.gateway.port}", f"http://127.0.0.1:{settings.node.port}"
+        roles = [RoleThread("vllm-full-node", run_node, settings, stop),
+                 RoleThread("gateway", run_gateway, settings, stop)]
+        for role in roles:
+            role.start()
+
+        def fleet(stable: int, held: set[int]) -> bool:
+            assert all(r.error is None for r in roles), [r.error for r in roles]
+            shown = http.get(f"{gateway}/v1/models").json()["data"][0]["flywheel"]
+            nodes = [(n["node_id"], n["live_version"], set(n["versions"])) for n in shown["nodes"]]
+            return shown["stable"] == stable and nodes == [(FULL_NODE, stable, held)]
+
+        def chat(session: str | None = None, path: str = "/v1/chat/completions", **body: Any) -> httpx.Response:
+            payload = {"messages": MESSAGES} if path.endswith("chat/completions") else {"prompt": "sort: 3 1 2"}
+            r = http.post(f"{gateway}{path}", headers={"X-Flywheel-Session": session} if session else {},
+                          json={**payload, "max_tokens": 3, **body})
+            assert r.status_code == 200, r.text
+            return r
+
+        def front_engine() -> dict[str, Any]:
+            return http.get(f"{node}/health").json()["engine"]
+
+        served: list[tuple[str, int, str]] = []  # (session, version, generation)
+
+        def record(r: httpx.Response) -> tuple[str, int]:
+            session, version = r.headers["X-Flywheel-Session"], int(r.headers["X-Flywheel-Model-Version"])
+            served.append((session, version, r.headers["X-Flywheel-Generation"]))
+            return session, version
+
+        try:
+            wait_until("the gateway to see v0 on the node", lambda: fleet(0, {0}), timeout_s=60)
+            with sessions() as s:
+                assert s.scalar(select(Node.url).where(Node.node_id == FULL_NODE)) == node  # the front, not vLLM
+            r = chat()
+            assert (r.json()["model"], r.json()["model_version"]) == (FULL_LINE, 0)
+            old, _ = record(r)
+            record(chat(old, path="/v1/completions"))
+
+            # A promotion while a stream is in flight: the stream finishes on v0, the reload waits for
+            # it, and a request that comes meanwhile waits for the reload and is served by v1.
+            standin.token_delay_s = 0.15
+
+            def streamed() -> tuple[httpx.Response, list[Any]]:
+                with http.stream("POST", f"{gateway}/v1/chat/completions",
+                                 json={"messages": MESSAGES, "max_tokens": 10, "stream": True}) as s:
+                    lines = [line.removeprefix("data: ") for line in s.iter_lines() if line.startswith("data: ")]
+                return s, [line if line == "[DONE]" else json.loads(line) for line in lines]
+
+            in_flight = InThread(streamed)
+            wait_until("vLLM decoding the stream", lambda: standin.in_flight == 1, timeout_s=10)
+            v1 = registry.publish(train_step(rng, base), parent=0, parent_state=base)
+            registry.set_status(v1.version, "stable", reason="test")
+            wait_until("the node's reload waiting for the stream", lambda: front_engine()["reloading"], timeout_s=30)
+            later = InThread(lambda: httpx.post(f"{node}/v1/chat/completions", timeout=30,
+                                                json={"model": FULL_LINE, "messages": MESSAGES, "max_tokens": 2}))
+            wait_until("the later request held back", lambda: front_engine()["queued"] == 1, timeout_s=10)
+            assert "/collective_rpc" not in standin.paths()
+            s, chunks = in_flight.result()
+            assert s.status_code == 200 and s.headers["X-Flywheel-Model-Version"] == "0" and chunks[-1] == "[DONE]"
+            assert {c["model_version"] for c in chunks[:-1]} == {0}
+            served.append((s.headers["X-Flywheel-Session"], 0, s.headers["X-Flywheel-Generation"]))
+            r = later.result()
+            assert r.headers["X-Flywheel-Model-Version"] == "1" and r.json()["model_version"] == 1
+            assert [g.weights for g in standin.generations if g.id == r.json()["id"]] == [[v1.sha256] * 2]
+            standin.token_delay_s = 0
+
+            wait_until("the gateway to see v1 on the node", lambda: fleet(1, {1}), timeout_s=60)
+            new, version = record(chat())
+            assert version == 1
+
+            # A session still on v0: the node answers the built-in node's 409, the gateway moves it on.
+            stale = http.post(f"{node}/v1/chat/completions", headers={"X-Flywheel-Model-Version": "0"},
+                              json={"messages": MESSAGES})
+            assert stale.status_code == 409 and stale.json()["error"]["code"] == "version_unavailable"
+            assert record(chat(old)) == (old, 1)
+
+            # A corrupt version never reaches vLLM; the node keeps v1 and stamps it.
+            state1 = registry.load(1)
+            v2 = registry.publish(train_step(rng, state1), parent=1, parent_state=state1)
+            blob = bytearray(registry.store.get(v2.store_key))
+            blob[-3] ^= 0xFF
+            registry.store.put(v2.store_key, bytes(blob))
+            registry.set_status(v2.version, "stable", reason="test: corrupt")
+            wait_until("the failure reported", lambda: http.get(f"{node}/health").json()["update_status"]
+                       == "failed_update", timeout_s=30)
+            assert standin.weights_sha256 == v1.sha256 and http.get(f"{node}/health").json()["version"] == 1
+            assert record(chat())[1] == 1
+
+            # Captured: one event per generation, naming the version that decoded every token.
+            wait_until("the spool to ship", lambda: http.get(f"{gateway}/admin/capture").json()["events"] == 0,
+                       timeout_s=30)
+            events = captured(settings, len(served))
+            generations = {g.id: g for g in standin.generations}
+            for session, version, generation in served:
+                event = events[generation]
+                assert (event.session_id, event.model_line, event.model_version, event.node_id) == (
+                    session, FULL_LINE, version, FULL_NODE)
+                decoded = generations[event.response["id"]].weights
+                assert decoded == [registry.get(version).sha256] * len(event.completion_token_ids), (generation, version)
+            assert sorted({v for _, v, _ in served}) == [0, 1] and len(served) == 6
+        finally:
+            stop.set()
+            for role in roles:
+                role.join(timeout=30)
+            db.dispose()
+    assert all(r.error is None and not r.is_alive() for r in roles), [r.error for r in roles]
 
 
 # --- LoRA mode ------------------------------------------------------------------------------------
@@ -185,7 +353,7 @@ def test_a_lora_mode_node_follows_promotions_and_rollbacks_and_keeps_corrupt_ada
             registry.set_status(v2.version, "canary", reason="test")
             wait_until("the canary preloaded", lambda: sorted(standin.loras) == [f"{LORA_LINE}-v1", f"{LORA_LINE}-v2"],
                        timeout_s=30)
-            assert node_row() == (1, "serving")
+            wait_until("the node serving v1 beside the canary", lambda: node_row() == (1, "serving"), timeout_s=30)
             assert [c.body for c in standin.calls if c.path == "/v1/unload_lora_adapter"] == [
                 {"lora_name": f"{LORA_LINE}-v0"}]
 
