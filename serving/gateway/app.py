@@ -86,6 +86,11 @@ from serving.protocol import (
 
 log = logging.getLogger(__name__)
 
+#: How long a request waits for a node to finish loading the session's (just promoted) version:
+#: nodes follow a promotion within their poll interval (1 s by default) plus the load.
+LOADING_WAIT_S = 3.0
+LOADING_RETRY_S = 0.2
+
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
@@ -300,12 +305,20 @@ class Gateway:
         return headers
 
     async def post(self, call: _Call) -> UpstreamResponse:
-        """Send the call upstream (once more on another version if the node dropped the session's);
-        ``call.target`` says where it went and under which model name."""
-        for attempt in (0, 1):
+        """Send the call upstream; ``call.target`` says where it went and under which model name.
+
+        A node that no longer holds the session's version (409 ``version_unavailable``, or a
+        version-naming node without it) moves the session to the rollout's current version, once.
+        A node that does not hold it *yet* (the version just became stable and the node is still
+        loading it: the rollout's choice is the session's version already) is asked again for up to
+        ``LOADING_WAIT_S``, so a promotion never turns into an error for the user."""
+        moved = False
+        deadline = time.monotonic() + LOADING_WAIT_S
+        while True:
             target = call.target = self.router.target_for(call.version)
             if target.unavailable:  # a node that names versions by model, and has no name for this one
-                if attempt == 0 and await self.repin(call):
+                if not moved and await self.repin(call):
+                    moved = True
                     continue
                 raise self.not_served(call)
             url = f"{target.url}{call.path}"
@@ -317,19 +330,24 @@ class Gateway:
             except UpstreamError as exc:
                 raise APIError(502, f"upstream {url} failed: {exc}", code="upstream_unreachable") from None
             model_gone = target.names_versions and response.status == 404  # vLLM: "The model `…` does not exist."
-            if (response.status == 409 or model_gone) and attempt == 0:
-                try:
-                    raw = await response.read()
-                except UpstreamError as exc:
-                    raise APIError(502, f"upstream {url} broke off: {exc}", code="upstream_error") from None
-                model_gone = model_gone and _error_field(raw, "type") == "NotFoundError"
-                if _error_field(raw, "code") == "version_unavailable" or model_gone:
-                    if await self.repin(call):
-                        continue
-                    if model_gone:
-                        raise self.not_served(call)
-            return response
-        raise AssertionError("unreachable")
+            if response.status != 409 and not model_gone:
+                return response
+            try:
+                raw = await response.read()
+            except UpstreamError as exc:
+                raise APIError(502, f"upstream {url} broke off: {exc}", code="upstream_error") from None
+            model_gone = model_gone and _error_field(raw, "type") == "NotFoundError"
+            if _error_field(raw, "code") != "version_unavailable" and not model_gone:
+                return response  # read() keeps the body for the caller
+            if not moved and await self.repin(call):
+                moved = True
+                continue
+            if model_gone:
+                raise self.not_served(call)
+            if time.monotonic() >= deadline:
+                return response  # read() keeps the body for the caller
+            response.release()
+            await asyncio.sleep(LOADING_RETRY_S)
 
     def not_served(self, call: _Call) -> APIError:
         """The answer when no node can serve the session's version under a model name."""
