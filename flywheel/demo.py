@@ -9,6 +9,11 @@ checkpoint, reward trend), then checks what must hold and writes a summary (JSON
   sha256 on the node,
 - the held-out success rate of the served model, before and after (held-out problems never reach
   traffic, so never reach training).
+
+Its pieces are shared with ``bench.trainer``, which runs the same loop several times: the loop's
+settings (:func:`loop_settings`), a started stack with its node watcher (:func:`live_stack`), the
+traffic loop (:func:`run_traffic`), held-out evaluation of versions (:class:`HeldoutEvaluator`)
+and the users' first answers (:func:`first_answers`).
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ import shutil
 import socket
 import threading
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,7 +34,7 @@ from typing import Any
 import httpx
 
 from flywheel.settings import Settings
-from flywheel.simusers import UserPool
+from flywheel.simusers import Served, UserPool
 from flywheel.up import Stack, prepare
 
 log = logging.getLogger("flywheel.demo")
@@ -73,18 +80,35 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _demo_settings(settings: Settings, options: DemoOptions, run_dir: Path, model_path: Path) -> Settings:
+def model_path(settings: Settings, label: str = "flywheel demo") -> Path:
+    """The model directory the loop serves: ``model.path``, else the default tiny model (built once)."""
+    from flywheel.tinymodel.build import ensure_default_model
+
+    if settings.model.path:
+        return Path(settings.model.path)
+    base = settings.data_path
+    print(f"{label}: building/loading the tiny model (cache {base / 'models'})", flush=True)
+    return ensure_default_model(base / "models")
+
+
+def loop_settings(settings: Settings, run_dir: Path, model_path: Path, *, port: int | None = None,
+                  overrides: dict[str, Any] | None = None) -> Settings:
+    """``settings`` with :data:`DEMO_OVERRIDES`, then ``overrides``, in ``run_dir`` on free ports."""
     from flywheel.settings import _deep_merge
 
     merged = _deep_merge(settings.model_dump(), DEMO_OVERRIDES)
+    merged = _deep_merge(merged, overrides or {})
     merged["data_dir"] = str(run_dir)
     merged["model"]["path"] = str(model_path)
-    merged["gateway"]["port"] = options.port or free_port()
+    merged["gateway"]["port"] = port or free_port()
     merged["gateway"]["upstream"] = ""
     merged["node"]["port"] = free_port()
-    if options.lr is not None:
-        merged["trainer"]["lr"] = options.lr
     return Settings.model_validate(merged)
+
+
+def _demo_settings(settings: Settings, options: DemoOptions, run_dir: Path, model_path: Path) -> Settings:
+    overrides = {"trainer": {"lr": options.lr}} if options.lr is not None else None
+    return loop_settings(settings, run_dir, model_path, port=options.port, overrides=overrides)
 
 
 class NodeWatcher(threading.Thread):
@@ -115,30 +139,97 @@ def _metric(text: str, name: str) -> float:
     return total
 
 
+class HeldoutEvaluator:
+    """Held-out success rate of registry versions, sampled at temperature 1 like the product.
+
+    The same :data:`HELDOUT_N` problems and ``seed`` for every version; results are memoised, and
+    each version is rebuilt from the nearest version already loaded below it on its chain.
+    """
+
+    def __init__(self, model_dir: str | Path, registry: Any, seed: int, n: int = HELDOUT_N):
+        import torch
+
+        from flywheel.tinymodel.sampling import load_model
+        from flywheel.tinymodel.task import heldout_problems
+
+        torch.set_num_threads(2)
+        self.model, self.tokenizer = load_model(model_dir)
+        self.problems = heldout_problems(n)
+        self.registry, self.seed = registry, seed
+        self.results: dict[int, float] = {}
+        self._states: dict[int, Any] = {}
+
+    def __call__(self, version: int) -> float:
+        from flywheel.tinymodel.sampling import evaluate, load_state
+
+        if version not in self.results:
+            below = [v for v in self._states if v < version]
+            base = (max(below), self._states[max(below)]) if below else None
+            weights = self.registry.load(version, base=base)
+            self._states = {version: weights}  # the newest loaded; versions are mostly asked in order
+            load_state(self.model, weights)
+            self.results[version] = evaluate(self.model, self.tokenizer, self.problems, seed=self.seed)
+        return self.results[version]
+
+
 def _evaluate_versions(settings: Settings, registry: Any, versions: list[int], seed: int) -> dict[int, float]:
     """Held-out success rate of each version's weights, sampled at temperature 1 like the product."""
-    import torch
+    evaluator = HeldoutEvaluator(settings.model.path, registry, seed)
+    return {version: evaluator(version) for version in sorted(set(versions))}
 
-    from flywheel.tinymodel.sampling import evaluate, load_model, load_state
-    from flywheel.tinymodel.task import heldout_problems
 
-    torch.set_num_threads(2)
-    model, tokenizer = load_model(settings.model.path)
-    problems = heldout_problems(HELDOUT_N)
-    out: dict[int, float] = {}
-    state: tuple[int, Any] | None = None
-    for version in sorted(set(versions)):
-        weights = registry.load(version, base=state)
-        load_state(model, weights)
-        state = (version, weights)
-        out[version] = evaluate(model, tokenizer, problems, seed=seed)
-    return out
+@dataclass
+class LiveStack:
+    """A started stack: its processes, the node watcher and the gateway's base URL."""
+
+    stack: Stack
+    watcher: NodeWatcher
+    gateway: str
+
+
+@contextmanager
+def live_stack(settings: Settings, t0: float) -> Iterator[LiveStack]:
+    """Start every role, wait until the node and the gateway answer, watch the node's versions
+    (times relative to ``t0``); stop everything on exit."""
+    stack = Stack(settings)
+    stack.start()
+    watcher_stop = threading.Event()
+    try:
+        stack.wait_ready()
+        gateway = f"http://{settings.gateway.host}:{settings.gateway.port}"
+        watcher = NodeWatcher(f"http://{settings.node.host}:{settings.node.port}/health", watcher_stop, t0)
+        watcher.start()
+        yield LiveStack(stack, watcher, gateway)
+    finally:
+        watcher_stop.set()
+        stack.stop()
+
+
+def run_traffic(stack: Stack, pool: UserPool, minutes: float, stop: threading.Event,
+                report: Callable[[float], None] | None = None, every_s: float = 10.0) -> float:
+    """Run ``pool``'s users for ``minutes`` (or until ``stop``), restarting crashed roles and calling
+    ``report(seconds of traffic)`` every ``every_s``; returns the monotonic time traffic started."""
+    users_stop = threading.Event()
+    try:
+        pool.start(users_stop)
+        t_traffic = time.monotonic()
+        next_report = t_traffic + every_s
+        while time.monotonic() - t_traffic < minutes * 60 and not stop.is_set():
+            time.sleep(0.5)
+            for role in stack.supervise_once():
+                print(f"  ! {role} crashed and was restarted (see {stack.log_dir / (role + '.log')})", flush=True)
+            if report is not None and time.monotonic() >= next_report:
+                next_report += every_s
+                report(time.monotonic() - t_traffic)
+    finally:
+        users_stop.set()
+    pool.join()
+    return t_traffic
 
 
 def run_demo(settings: Settings, options: DemoOptions, stop: threading.Event) -> int:
     from flywheel.db.models import Generation, ScoredTrajectoryRow, Trajectory
     from flywheel.db.session import make_engine, make_session_factory
-    from flywheel.tinymodel.build import ensure_default_model
     from flywheel.weights.registry import Registry
     from flywheel.weights.store import make_store
     from sqlalchemy import func, select
@@ -148,25 +239,13 @@ def run_demo(settings: Settings, options: DemoOptions, stop: threading.Event) ->
     run_dir = base / ("demo-quick" if options.quick else "demo")
     if run_dir.exists():
         shutil.rmtree(run_dir)
-    if settings.model.path:
-        model_path = Path(settings.model.path)
-    else:
-        print(f"flywheel demo: building/loading the tiny model (cache {base / 'models'})", flush=True)
-        model_path = ensure_default_model(base / "models")
-    settings = prepare(_demo_settings(settings, options, run_dir, model_path))
+    settings = prepare(_demo_settings(settings, options, run_dir, model_path(settings)))
     engine = make_engine(settings.database_url)
     sessions = make_session_factory(engine)
     registry = Registry(sessions, make_store(settings), settings.model.line)
 
-    stack = Stack(settings)
-    stack.start()
-    users_stop = threading.Event()
-    watcher_stop = threading.Event()
-    try:
-        stack.wait_ready()
-        gateway = f"http://{settings.gateway.host}:{settings.gateway.port}"
-        watcher = NodeWatcher(f"http://{settings.node.host}:{settings.node.port}/health", watcher_stop, t_start)
-        watcher.start()
+    with live_stack(settings, t_start) as live:
+        gateway, watcher = live.gateway, live.watcher
         n_users = options.users or 8
         pool = UserPool(gateway, settings.model.line, n_users, options.seed, max_tokens=settings.node.max_new_tokens, t0=t_start)
         minutes = options.traffic_minutes
@@ -175,28 +254,13 @@ def run_demo(settings: Settings, options: DemoOptions, stop: threading.Event) ->
             f"{minutes:g} min; trainer lr={settings.trainer.lr:g}; gateway {gateway}/v1",
             flush=True,
         )
-        pool.start(users_stop)
-        t_traffic = time.monotonic()
-        next_report = t_traffic + 10
-        while time.monotonic() - t_traffic < minutes * 60 and not stop.is_set():
-            time.sleep(0.5)
-            for role in stack.supervise_once():
-                print(f"  ! {role} crashed and was restarted (see {stack.log_dir / (role + '.log')})", flush=True)
-            if time.monotonic() >= next_report:
-                next_report += 10
-                _progress(pool, registry, watcher, time.monotonic() - t_traffic)
-        users_stop.set()
-        pool.join()
+        run_traffic(live.stack, pool, minutes, stop, report=lambda elapsed: _progress(pool, registry, watcher, elapsed))
         received = len(pool.stats.served)
         captured, persisted = _drain(gateway, sessions, Generation, received)
         with sessions() as s:
             rows = s.execute(select(Generation.generation_id, Generation.model_version)).all()
             trajectories = s.scalar(select(func.count()).select_from(Trajectory)) or 0
             scored = s.scalar(select(func.count()).select_from(ScoredTrajectoryRow)) or 0
-    finally:
-        users_stop.set()
-        watcher_stop.set()
-        stack.stop()
 
     versions = registry.versions()
     by_version = {v.version: v for v in versions}
@@ -224,7 +288,7 @@ def run_demo(settings: Settings, options: DemoOptions, stop: threading.Event) ->
 
     print("flywheel demo: evaluating shipped versions on held-out problems", flush=True)
     live_versions = [s["version"] for s in shipped]
-    eval_versions = _pick(live_versions, 8)
+    eval_versions = pick_spread(live_versions, 8)
     heldout = _evaluate_versions(settings, registry, eval_versions, options.seed)
     served_success = _served_success_by_version(pool)
     summary = {
@@ -266,7 +330,7 @@ def run_demo(settings: Settings, options: DemoOptions, stop: threading.Event) ->
     return 0
 
 
-def _pick(versions: list[int], k: int) -> list[int]:
+def pick_spread(versions: list[int], k: int) -> list[int]:
     """The first and last versions and up to k-2 evenly spaced between them."""
     if len(versions) <= k:
         return versions
@@ -331,6 +395,11 @@ def _print_summary(s: dict[str, Any]) -> None:
     print(f"  held-out success          {s['heldout_success_start']:.1%} -> {s['heldout_success_end']:.1%}")
 
 
+def first_answers(pool: UserPool) -> list[Served]:
+    """Each session's first answer (a retry is not a fresh draw from the policy), in time order."""
+    return sorted((s for s in pool.stats.served if s.attempt == 0), key=lambda s: s.t)
+
+
 def _plot(path: str, pool: UserPool, shipped: list[dict[str, Any]], heldout: dict[int, float]) -> None:
     """Top: served first-answer success over time (rolling, and the mean of each version while it
     served). Bottom: held-out success of the evaluated versions, at the time each went live."""
@@ -340,7 +409,7 @@ def _plot(path: str, pool: UserPool, shipped: list[dict[str, Any]], heldout: dic
     import matplotlib.pyplot as plt
 
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(10, 7), sharex=True)
-    served = sorted((s for s in pool.stats.served if s.attempt == 0), key=lambda s: s.t)
+    served = first_answers(pool)
     window = max(20, len(served) // 30)
     if len(served) >= window:
         xs = [served[j].t for j in range(window - 1, len(served))]
