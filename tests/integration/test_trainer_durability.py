@@ -193,11 +193,12 @@ def test_kill_9_at_a_random_moment_then_restart_loses_and_repeats_nothing(
     assert dropped.get("dropped_superseded", 0) + dropped.get("dropped_already_trained", 0) == len(revisions), context
     assert metrics["taken"] + sum(dropped.values()) == N_TRAJECTORIES + len(duplicates) + len(revisions), context
     assert read_dlq(settings) == [b"{ not json"]
-    # The versions changed the weights (LoRA ones through their merged export) and carry the
-    # step's metrics: the staleness histogram, and parity (every sample was served by v0, so on
+    # The versions changed the weights (LoRA ones through their merged export; a single step may
+    # not: its batch can have all-zero advantages, and a LoRA's first steps move little) and carry
+    # the step's metrics: the staleness histogram, and parity (every sample was served by v0, so on
     # v1's first step the master equals the serving weights).
+    assert any(v.fraction_changed for v in registry.versions()[1:]), context
     v1 = registry.get(1)
-    assert v1.fraction_changed and v1.fraction_changed > 0, context
     assert v1.metrics["staleness"] == {"0": BATCH}, context
     assert 0 <= v1.metrics["parity"] <= v1.metrics["parity_p99"] <= v1.metrics["parity_max"] < 0.5, context
     assert sum(sum(v.metrics["staleness"].values()) for v in registry.versions()[1:]) == N_TRAJECTORIES, context
