@@ -14,9 +14,11 @@ import random
 import threading
 import time
 import uuid
+from functools import partial
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import safetensors.torch
 import torch
@@ -35,6 +37,24 @@ from tests.integration.test_registry import make_state, train_step
 
 pytestmark = pytest.mark.integration
 
+
+
+def fleet_shows(http: httpx.Client, gateway: str, roles: list[Any], node_id: str, stable: int, held: set[int]) -> bool:
+    """The gateway's view (GET /v1/models): ``stable`` is stable and ``node_id`` alone serves it, holding ``held``."""
+    assert all(r.error is None for r in roles), [r.error for r in roles]
+    shown = http.get(f"{gateway}/v1/models").json()["data"][0]["flywheel"]
+    nodes = [(n["node_id"], n["live_version"], set(n["versions"])) for n in shown["nodes"]]
+    return shown["stable"] == stable and nodes == [(node_id, stable, held)]
+
+
+def chat_through(http: httpx.Client, gateway: str, session: str | None = None, path: str = "/v1/chat/completions",
+                 **body: Any) -> httpx.Response:
+    """A chat (or text) completion through the gateway, in ``session``; asserts a 200."""
+    payload = {"messages": MESSAGES} if path.endswith("chat/completions") else {"prompt": "sort: 3 1 2"}
+    r = http.post(f"{gateway}{path}", headers={"X-Flywheel-Session": session} if session else {},
+                  json={**payload, "max_tokens": 3, **body})
+    assert r.status_code == 200, r.text
+    return r
 
 def test_a_vllm_node_follows_the_registry_and_keeps_the_last_good_version(tmp_path: Path) -> None:
     rng = random.Random(8)
@@ -124,8 +144,6 @@ def test_the_gateway_captures_a_full_mode_node_with_the_version_that_produced_ea
     and every captured generation names the version whose weights decoded all of its tokens (the
     stand-in records them per token), across a promotion with a stream in flight, a session stuck
     on the old version, and a corrupt version that never reaches vLLM."""
-    import httpx
-
     from serving.gateway.main import run as run_gateway
     from tests.integration.test_vllm_front import InThread
 
@@ -155,18 +173,8 @@ def test_the_gateway_captures_a_full_mode_node_with_the_version_that_produced_ea
         for role in roles:
             role.start()
 
-        def fleet(stable: int, held: set[int]) -> bool:
-            assert all(r.error is None for r in roles), [r.error for r in roles]
-            shown = http.get(f"{gateway}/v1/models").json()["data"][0]["flywheel"]
-            nodes = [(n["node_id"], n["live_version"], set(n["versions"])) for n in shown["nodes"]]
-            return shown["stable"] == stable and nodes == [(FULL_NODE, stable, held)]
-
-        def chat(session: str | None = None, path: str = "/v1/chat/completions", **body: Any) -> httpx.Response:
-            payload = {"messages": MESSAGES} if path.endswith("chat/completions") else {"prompt": "sort: 3 1 2"}
-            r = http.post(f"{gateway}{path}", headers={"X-Flywheel-Session": session} if session else {},
-                          json={**payload, "max_tokens": 3, **body})
-            assert r.status_code == 200, r.text
-            return r
+        fleet = partial(fleet_shows, http, gateway, roles, FULL_NODE)
+        chat = partial(chat_through, http, gateway)
 
         def front_engine() -> dict[str, Any]:
             return http.get(f"{node}/health").json()["engine"]
@@ -393,8 +401,6 @@ def test_the_gateway_names_the_lora_version_to_vllm_and_the_client_sees_the_line
 ) -> None:
     """The gateway in front of a LoRA-mode node: vLLM is sent ``<line>-v<version>`` for the session's
     version; the client and the captured event see the line and the version, as from a built-in node."""
-    import httpx
-
     from flywheel.bus import make_bus
     from flywheel.events import GenerationEvent
     from serving.gateway.main import run as run_gateway
@@ -419,18 +425,8 @@ def test_the_gateway_names_the_lora_version_to_vllm_and_the_client_sees_the_line
         for role in roles:
             role.start()
 
-        def fleet(stable: int, held: set[int]) -> bool:
-            assert all(r.error is None for r in roles), [r.error for r in roles]
-            shown = http.get(f"{gateway}/v1/models").json()["data"][0]["flywheel"]
-            nodes = [(n["node_id"], n["live_version"], set(n["versions"])) for n in shown["nodes"]]
-            return shown["stable"] == stable and nodes == [(LORA_NODE, stable, held)]
-
-        def chat(session: str | None = None, path: str = "/v1/chat/completions", **body: Any) -> httpx.Response:
-            payload = {"messages": MESSAGES} if path.endswith("chat/completions") else {"prompt": "sort: 3 1 2"}
-            r = http.post(f"{gateway}{path}", headers={"X-Flywheel-Session": session} if session else {},
-                          json={**payload, "max_tokens": 3, **body})
-            assert r.status_code == 200, r.text
-            return r
+        fleet = partial(fleet_shows, http, gateway, roles, LORA_NODE)
+        chat = partial(chat_through, http, gateway)
 
         def sent() -> str:
             return [c.body["model"] for c in standin.calls if c.path.endswith("completions")][-1]

@@ -467,6 +467,25 @@ def test_bad_class_entries_are_refused(rng: random.Random) -> None:
 # --- the compiled kernels -------------------------------------------------------------------------
 
 
+def change_a_tenth(old: dict[str, torch.Tensor], g: torch.Generator) -> dict[str, torch.Tensor]:
+    """``old`` with a random tenth of each tensor's elements changed, whatever the dtype (integers
+    by flipping the low bit, which includes wrapping at the extremes)."""
+    new = {}
+    for name, t in old.items():
+        flat = t.clone().reshape(-1)
+        idx = torch.randperm(flat.numel(), generator=g)[: max(1, flat.numel() // 10)]
+        if t.dtype == torch.bool:
+            flat[idx] = ~flat[idx]
+        elif t.dtype.is_complex:
+            flat[idx] = flat[idx] * 2
+        elif t.dtype.is_floating_point:
+            flat[idx] = -flat[idx] * 1.5
+        else:
+            flat[idx] = flat[idx] ^ torch.tensor(1, dtype=t.dtype)
+        new[name] = flat.reshape(t.shape)
+    return new
+
+
 def test_other_dtypes_round_trip(rng: random.Random) -> None:
     """Every element width goes through the same kernels (uint8 .. uint64 views)."""
     g = gen(rng)
@@ -479,19 +498,7 @@ def test_other_dtypes_round_trip(rng: random.Random) -> None:
         "f64": torch.randn(257, generator=g, dtype=torch.float64),
         "c64": torch.randn(33, generator=g, dtype=torch.complex64),
     }
-    new = {}
-    for name, t in old.items():
-        flat = t.clone().reshape(-1)
-        idx = torch.randperm(flat.numel(), generator=g)[: max(1, flat.numel() // 10)]
-        if t.dtype == torch.bool:
-            flat[idx] = ~flat[idx]
-        elif t.dtype.is_complex:
-            flat[idx] = flat[idx] * 2
-        elif t.dtype.is_floating_point:
-            flat[idx] = -flat[idx] * 1.5
-        else:
-            flat[idx] = flat[idx] ^ torch.tensor(1, dtype=t.dtype)  # includes wrapping at the extremes
-        new[name] = flat.reshape(t.shape)
+    new = change_a_tenth(old, g)
     delta = encode_delta(old, new)
     assert_same(apply_delta(old, delta), new)
 

@@ -20,6 +20,7 @@ from tests.unit.test_codec import (  # noqa: F401  (rng is a fixture)
     FLOATS,
     SPECIALS,
     _context_pair,
+    change_a_tenth,
     assert_same,
     bits,
     gen,
@@ -196,19 +197,7 @@ def test_other_dtypes_match_the_kernels(rng: random.Random, device: str) -> None
         "f64": torch.randn(20_000, generator=g, dtype=torch.float64) * 0.02,
         "c64": torch.randn(33, generator=g, dtype=torch.complex64),
     }
-    new = {}
-    for name, t in old.items():
-        flat = t.clone().reshape(-1)
-        idx = torch.randperm(flat.numel(), generator=g)[: max(1, flat.numel() // 10)]
-        if t.dtype == torch.bool:
-            flat[idx] = ~flat[idx]
-        elif t.dtype.is_complex:
-            flat[idx] = flat[idx] * 2
-        elif t.dtype.is_floating_point:
-            flat[idx] = -flat[idx] * 1.5
-        else:
-            flat[idx] = flat[idx] ^ torch.tensor(1, dtype=t.dtype)
-        new[name] = flat.reshape(t.shape)
+    new = change_a_tenth(old, g)
     # Moves that wrap around the element width, both ways.
     extremes = torch.tensor([-(2**63), 2**63 - 1, -1, 0], dtype=torch.int64)
     old["i64"][:4], new["i64"][:4] = extremes, extremes.flip(0)
