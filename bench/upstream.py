@@ -33,6 +33,7 @@ class CannedUpstream:
         self.logprobs = [-0.25 - (i % 7) * 0.125 for i in range(completion_tokens)]
         self.text = " ".join(f"w{t}" for t in self.token_ids)
         self._ids = itertools.count()
+        self.received = 0  # requests that reached a handler (before any delay)
         self.served = 0
         self.last_request: dict = {}
 
@@ -142,6 +143,7 @@ class CannedUpstream:
             request = json.loads(body)
         except ValueError:
             return self.send(writer, 400, {"error": {"message": "bad JSON", "type": "invalid_request_error"}})
+        self.received += 1
         if self.delay_s:
             await asyncio.sleep(self.delay_s)
         self.served += 1

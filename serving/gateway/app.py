@@ -492,7 +492,7 @@ class Gateway:
                 response_body, served = assembler.finish()
                 await self.record_generation(call, response_body, served, time.perf_counter() - upstream_start)
                 yield SSE_DONE
-            except (APIError, capture.CaptureError, _UpstreamStreamError, UpstreamError) as exc:
+            except (APIError, capture.CaptureError, _UpstreamStreamError, UpstreamError, StateUnavailable) as exc:
                 error = _stream_failure(exc, {})
                 self.metrics.stream_errors.inc()
                 log.warning("stream %s failed, nothing recorded: %s", call.generation_id, error.code or error.type)
@@ -598,6 +598,8 @@ def _stream_failure(exc: BaseException, headers: dict[str, str]) -> APIError:
     """The envelope a stream that broke off ends with."""
     if isinstance(exc, APIError):
         return exc
+    if isinstance(exc, StateUnavailable):
+        return _state_unavailable(exc)
     if isinstance(exc, capture.CaptureError):
         return _uncapturable(exc, headers)
     if isinstance(exc, _UpstreamStreamError):
@@ -607,6 +609,13 @@ def _stream_failure(exc: BaseException, headers: dict[str, str]) -> APIError:
         return APIError(502, f"upstream failed mid-stream: {message or err!r}",
                         code=code if isinstance(code, str) else "upstream_error", headers=headers)
     return APIError(502, f"upstream stream broke off: {exc}", code="upstream_error", headers=headers)
+
+
+def _state_unavailable(exc: StateUnavailable) -> APIError:
+    """Redis (or whatever holds sessions and rate limits) is down: a 503, here or mid-stream."""
+    log.error("gateway state unavailable: %s", type(exc.__cause__ or exc).__name__)
+    return APIError(503, "session and rate-limit state is unavailable right now; retry shortly",
+                    code="state_unavailable")
 
 
 def _upstream_error(status: int, raw: bytes, headers: dict[str, str]) -> APIError:
@@ -666,10 +675,8 @@ def create_app(settings: Settings, *, producer_factory: Callable[[], Any] | None
     install_error_handlers(app)
 
     @app.exception_handler(StateUnavailable)
-    async def _state_unavailable(_: Request, exc: StateUnavailable) -> JSONResponse:
-        log.error("gateway state unavailable: %s", type(exc.__cause__ or exc).__name__)
-        return APIError(503, "session and rate-limit state is unavailable right now; retry shortly",
-                        code="state_unavailable").response()
+    async def _state_unavailable_response(_: Request, exc: StateUnavailable) -> JSONResponse:
+        return _state_unavailable(exc).response()
     app.add_middleware(_SessionEcho, metrics=gateway.metrics)
 
     @app.post("/v1/chat/completions", openapi_extra=_body_schema(ChatCompletionRequest))

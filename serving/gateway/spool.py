@@ -116,6 +116,7 @@ class Spool:
         self._c_off = 0
         self._c_saved = -1
         self._c_saved_at = 0.0
+        self._c_failing = False
         # shared counters
         self.events = 0
         self.unshipped_bytes = 0
@@ -362,10 +363,23 @@ class Spool:
             self._save_cursor()
 
     def _save_cursor(self) -> None:
-        if self._c_off != self._c_saved:
-            write_atomic(self.dir / "cursor.json", json.dumps({"offset": self._c_off}).encode())
-            self._c_saved = self._c_off
+        """Write the cursor file. It only bounds what is sent again after a crash, so a failure
+        (a full disk) is logged and retried at the next interval, never raised to the shipper."""
         self._c_saved_at = time.monotonic()
+        if self._c_off == self._c_saved:
+            return
+        try:
+            write_atomic(self.dir / "cursor.json", json.dumps({"offset": self._c_off}).encode())
+        except OSError as exc:
+            if not self._c_failing:
+                log.warning("spool %s: cannot save the cursor (%s); shipping goes on, a crash now would send "
+                            "records from offset %d again", self.dir, exc, self._c_saved)
+            self._c_failing = True
+            return
+        if self._c_failing:
+            log.info("spool %s: cursor saved again", self.dir)
+            self._c_failing = False
+        self._c_saved = self._c_off
 
     def close_reader(self) -> None:
         """Release the reader's file (the shipper, when it stops)."""

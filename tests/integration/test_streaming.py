@@ -406,3 +406,42 @@ def test_a_stream_whose_event_cannot_be_spooled_ends_in_an_error_event(tmp_path)
     assert r.status_code == 200 and "[DONE]" not in events
     assert all("choices" in e for e in events[:-1]) and len(events) > 1
     assert events[-1]["error"]["code"] == "capture_unavailable" and "retry" in events[-1]["error"]["message"]
+
+
+def test_a_stream_whose_session_state_is_lost_ends_in_an_error_event(tmp_path):
+    """Redis dies while the upstream decodes: the stream's event cannot be recorded against its
+    session, so the client gets the ``state_unavailable`` error event instead of [DONE] (it used
+    to get a connection dropped mid-body) and nothing is captured."""
+    import subprocess
+    from concurrent.futures import ThreadPoolExecutor
+
+    from bench.upstream import running
+    from serving.gateway.app import create_app
+
+    upstream_port, redis_port = free_port(), free_port()
+    redis = subprocess.Popen(["redis-server", "--bind", "127.0.0.1", "--port", str(redis_port), "--save", "",
+                              "--appendonly", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        with running(upstream_port, delay_ms=600) as upstream:
+            settings = load_settings(data_dir=str(tmp_path), bus={"kind": "local", "topic_prefix": "lost."},
+                                     live={"kind": "redis", "redis_url": f"redis://127.0.0.1:{redis_port}/0"},
+                                     gateway={"upstream": f"http://127.0.0.1:{upstream_port}"})
+            bus = make_bus(settings)
+            with served_app(create_app(settings)) as url, httpx.Client(timeout=30) as client, \
+                    ThreadPoolExecutor(1) as pool:
+                wait_until("redis", lambda: client.post(f"{url}/v1/chat/completions", json={"messages": MESSAGES})
+                           .status_code == 200)
+                streamed = pool.submit(stream, client, f"{url}/v1/chat/completions",
+                                       {"messages": MESSAGES, "stream": True})
+                wait_until("the stream to reach the upstream", lambda: upstream.received == 2)
+                redis.kill()
+                redis.wait(5)
+                r, events = streamed.result()
+            stack = Served(settings, url, None, bus)
+            found = stack.events([r.headers["X-Flywheel-Generation"]], timeout_s=2)
+            bus.close()
+    finally:
+        redis.kill()
+    assert r.status_code == 200 and "[DONE]" not in events and len(events) > 1
+    assert events[-1]["error"]["code"] == "state_unavailable", events[-1]
+    assert found == {r.headers["X-Flywheel-Generation"]: []}

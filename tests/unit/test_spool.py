@@ -484,3 +484,40 @@ def test_submit_does_not_block_the_event_loop_while_the_bus_hangs(tmp_path: Path
     finally:
         release.set()
         capture.close(1.0)
+
+
+def test_a_cursor_that_cannot_be_saved_never_stops_shipping(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                             caplog: pytest.LogCaptureFixture) -> None:
+    """The chaos suite's spool_disk_full: ENOSPC on cursor.json used to kill the shipper thread, and
+    the gateway went on answering and spooling with nothing reaching the bus until a restart."""
+    import serving.gateway.spool as spool_module
+
+    real_write = spool_module.write_atomic
+    disk = {"full": True, "failed": 0}
+
+    def write_atomic(path: Path, data: bytes) -> None:
+        if disk["full"]:
+            disk["failed"] += 1
+            raise OSError(28, "No space left on device")
+        real_write(path, data)
+
+    monkeypatch.setattr(spool_module, "write_atomic", write_atomic)
+    settings = _settings(tmp_path)
+    capture = Capture(settings, Switch(settings), CollectorRegistry())
+    capture.start()
+    topic = settings.topic("generations")
+    for i in range(5):
+        assert asyncio.run(capture.submit(_items(4, 4 * i, topic)))
+        _wait(lambda: capture.depth()["events"] == 0, "the spool to drain while its cursor cannot be saved")
+        time.sleep(spool_module.CURSOR_INTERVAL_S)
+    assert disk["failed"] >= 2 and capture._shipper.is_alive()
+    assert sum("cannot save the cursor" in r.getMessage() for r in caplog.records) == 1  # once per outage
+    assert not (capture.spool.dir / "cursor.json").exists()
+
+    disk["full"] = False
+    assert asyncio.run(capture.submit(_items(4, 20, topic)))
+    _wait(lambda: capture.depth()["events"] == 0, "the spool to drain after the disk has room again")
+    capture.close(5.0)
+    assert json.loads((capture.spool.dir / "cursor.json").read_text()) == {"offset": 24}
+    got = _consume(settings, 24)
+    assert sorted(int(r.headers["event_id"][1:]) for r in got) == list(range(24))
