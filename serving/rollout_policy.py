@@ -104,6 +104,10 @@ class Verdict:
 def judge_canary(canary: VersionSample, stable: VersionSample, elapsed_s: float, policy: RolloutSettings) -> Verdict:
     """Wait, promote or roll back a canary (module docstring, step 2)."""
     figures: dict[str, Any] = {"elapsed_s": round(elapsed_s, 1), "canary": canary.figures(), "stable": stable.figures()}
+    if canary.generations == 0 and stable.generations >= policy.min_samples and elapsed_s >= policy.window_s:
+        return Verdict("rollback", f"canary served nothing in {elapsed_s:.0f}s while stable served "
+                                   f"{stable.generations}: no node serves it (the nodes table says failed_update "
+                                   "and why)", figures)
     if canary.generations < policy.min_samples or stable.generations < policy.min_samples:
         return Verdict("wait", f"samples canary {canary.generations}, stable {stable.generations} "
                                f"< min_samples {policy.min_samples}", figures)

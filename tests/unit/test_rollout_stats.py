@@ -199,3 +199,12 @@ def test_previous_stable_is_the_newest_former_stable_still_usable():
                 V(5, "stable")]
     assert previous_stable(versions, transitions, 5) == 2
     assert previous_stable([V(0, "collected"), V(5, "stable")], transitions, 5) is None
+
+
+def test_a_canary_no_node_serves_is_rolled_back_after_the_window_not_waited_on_forever():
+    starved = sample(0)
+    assert judge_canary(starved, sample(1000), elapsed_s=59, policy=POLICY).action == "wait"
+    assert judge_canary(starved, sample(99), elapsed_s=1e6, policy=POLICY).action == "wait"  # no traffic at all
+    v = judge_canary(starved, sample(100), elapsed_s=60, policy=POLICY)
+    assert v.action == "rollback" and "served nothing in 60s while stable served 100" in v.reason
+    assert judge_canary(sample(1), sample(1000), elapsed_s=1e6, policy=POLICY).action == "wait"
