@@ -14,7 +14,8 @@ Invariants:
   a revoked key (``revoked_at`` set) never authenticates again. Revocation is not undone.
 - Nothing here logs or prints a secret except ``keys create`` printing the new key once.
 - Tenant names are 1-128 characters of ``[A-Za-z0-9._@-]`` starting with a letter or digit, so they
-  are safe in logs, metrics labels and live-state keys.
+  are safe in logs, metrics labels and live-state keys; every command-line tenant and key id is
+  checked before the database is opened (a bad one exits 2 with the reason).
 """
 
 from __future__ import annotations
@@ -114,6 +115,8 @@ def create_key(
         raise ValueError("rpm must be >= 0 (0: unlimited)")
     if len(name) > 128:
         raise ValueError("name is longer than 128 characters")
+    if any(ord(c) < 32 or ord(c) == 127 for c in name):
+        raise ValueError(f"name must not contain control characters: {name[:40]!r}")
     from flywheel.db.models import ApiKey
 
     key_id, key = new_key()
@@ -134,6 +137,8 @@ def create_key(
 
 
 def list_keys(sessions: sessionmaker[Session], tenant: str | None = None) -> list[KeyInfo]:
+    if tenant is not None:
+        check_tenant(tenant)
     from sqlalchemy import select
 
     from flywheel.db.models import ApiKey
@@ -188,11 +193,27 @@ def add_keys_commands(subparsers: Any) -> None:
     create.add_argument("--json", action="store_true", help="print the key and its details as JSON")
 
     lst = sub.add_parser("list", help="list keys (never their secrets)")
-    lst.add_argument("--tenant", help="only this tenant's keys")
+    lst.add_argument("--tenant", type=_tenant_arg, help="only this tenant's keys")
     lst.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
     revoke = sub.add_parser("revoke", help="revoke a key by its key_id (gateways refuse it within key_cache_s)")
-    revoke.add_argument("key_id")
+    revoke.add_argument("key_id", type=_key_id_arg)
+
+
+def _tenant_arg(text: str) -> str:
+    try:
+        return check_tenant(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _key_id_arg(text: str) -> str:
+    """A key id as listings show it (12 hex digits); a whole key is accepted and named by its id."""
+    key_id = key_id_of(text) or text
+    if not re.fullmatch(rf"[0-9a-f]{{{KEY_ID_HEX}}}", key_id):
+        raise argparse.ArgumentTypeError(f"invalid key id {text[:40]!r}: {KEY_ID_HEX} hex digits, as `flywheel keys "
+                                         "list` shows them")
+    return key_id
 
 
 def run_keys_command(args: argparse.Namespace, settings: Any) -> int:

@@ -7,6 +7,10 @@ an optional TOML (or JSON) file (``FLYWHEEL_CONFIG`` or ``--config``), then envi
 
 Invariants: unknown keys are errors (a renamed key fails loudly), every validation error is
 reported at once, and nothing else in the code reads ``os.environ`` for flywheel settings.
+Secrets (passwords in ``db.url`` and ``live.redis_url``, ``rewards.judge_api_key``) never appear in
+what is shown of the settings: :func:`redact_url` and :func:`redacted` mask them, validation errors
+never repeat a value, and a URL whose password holds a raw ``@`` is refused (drivers would print
+part of it as the host name).
 """
 
 from __future__ import annotations
@@ -14,12 +18,94 @@ from __future__ import annotations
 import contextvars
 import json
 import os
+import re
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import unquote
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+
+# Secrets ---------------------------------------------------------------------------------------
+
+#: Query parameters of a URL whose values are secrets (libpq takes ``?password=``, for example).
+_SECRET_PARAM = re.compile(r"(?i)([?&;](?:[a-z0-9_]*(?:password|passwd|pwd|secret|token|api_?key|access_?key)"
+                           r"[a-z0-9_]*)=)([^&;#]*)")
+REDACTED = "***"
+
+
+def redact_url(url: str) -> str:
+    """``url`` fit for logs and error messages: the password of its user info and the values of
+    secret-looking query parameters replaced by ``***``. Never raises, whatever the text; an
+    unparsable URL loses everything up to its last ``@`` (a password with a raw ``@`` in it
+    included) rather than show any of it."""
+    text = str(url)
+    scheme, sep, rest = text.partition("://")
+    if not sep:
+        scheme, rest = "", text
+    at = rest.rfind("@")
+    if at >= 0:
+        user, colon, _ = rest[:at].partition(":")
+        if colon or "@" in user:  # a password, or user info that cannot be told apart from one
+            user = f"{user.split('@')[0]}:{REDACTED}"
+        rest = f"{user}@{rest[at + 1:]}"
+    rest = _SECRET_PARAM.sub(lambda m: m.group(1) + REDACTED, rest)
+    return f"{scheme}{sep}{rest}"
+
+
+def url_secrets(url: str) -> list[str]:
+    """The secret parts of ``url`` (its password, secret query values), to scrub them from text a
+    driver wrote (:func:`scrub`)."""
+    text = str(url)
+    rest = text.partition("://")[2] or text
+    found = []
+    at = rest.rfind("@")
+    if at >= 0 and ":" in rest[:at]:
+        userinfo = rest[:at]
+        password = userinfo.partition(":")[2]
+        found += [userinfo, password, *password.split("@")]
+    found += [m.group(2) for m in _SECRET_PARAM.finditer(rest)]
+    found += [unquote(s) for s in found]
+    return sorted({s for s in found if len(s) >= 3}, key=len, reverse=True)
+
+
+def scrub(message: str, secrets: list[str]) -> str:
+    """``message`` with every occurrence of each secret replaced by ``***``."""
+    for secret in secrets:
+        message = message.replace(secret, REDACTED)
+    return message
+
+
+def check_url(url: str, name: str) -> str:
+    """Refuse a URL whose user info holds a raw ``@`` (it must be percent-encoded as ``%40``):
+    drivers would read part of the password as the host name and print it in their errors."""
+    scheme, _, rest = url.partition("://")
+    if scheme.startswith("sqlite"):  # a file path, no user info
+        return url
+    if rest.split("?", 1)[0].count("@") > 1:
+        raise ValueError(f"{name} has more than one '@' before its host: percent-encode '@' in the user name "
+                         "or password as %40 (the URL itself is not shown: it holds a secret)")
+    return url
+
+
+#: Settings whose whole value is a secret, and settings that are URLs that may carry one.
+_SECRET_FIELDS = {("rewards", "judge_api_key")}
+_URL_FIELDS = {("db", "url"), ("live", "redis_url"), ("store", "endpoint_url"), ("gateway", "upstream"),
+               ("node", "vllm_url"), ("node", "url")}
+
+
+def redacted(settings: "Settings") -> dict[str, Any]:
+    """The settings as JSON-ready data with every secret shown as ``***`` (``flywheel settings``)."""
+    data = settings.model_dump(mode="json")
+    for section, key in _SECRET_FIELDS:
+        if data.get(section, {}).get(key):
+            data[section][key] = REDACTED
+    for section, key in _URL_FIELDS:
+        if data.get(section, {}).get(key):
+            data[section][key] = redact_url(data[section][key])
+    return data
 
 
 class _Section(BaseModel):
@@ -43,16 +129,27 @@ class BusSettings(_Section):
 
 
 class DatabaseSettings(_Section):
-    #: Empty means the embedded SQLite file ``{data_dir}/flywheel.db``.
+    #: Empty means the embedded SQLite file ``{data_dir}/flywheel.db``. A password is a secret:
+    #: logs, error messages and ``flywheel settings`` show it as ``***`` (:func:`redact_url`).
     url: str = ""
     #: Seconds to wait for the database at start-up before giving up.
     wait_s: float = Field(30.0, ge=0)
+
+    @field_validator("url")
+    @classmethod
+    def _unambiguous_url(cls, url: str) -> str:
+        return check_url(url, "db.url")
 
 
 class LiveSettings(_Section):
     kind: Literal["memory", "redis"] = "memory"
     redis_url: str = "redis://127.0.0.1:6379/0"
     key_prefix: str = "flywheel:"
+
+    @field_validator("redis_url")
+    @classmethod
+    def _unambiguous_redis_url(cls, url: str) -> str:
+        return check_url(url, "live.redis_url")
 
 
 class StoreSettings(_Section):
@@ -86,6 +183,13 @@ class GatewaySettings(_Section):
     auth: Literal["off", "on"] = "off"
     default_tenant: str = "local"
     max_body_bytes: int = Field(1_000_000, ge=1_024)
+    #: Slow clients (slowloris, docs/security.md): a request's line and headers must arrive within
+    #: ``header_read_timeout_s`` of its first byte (or of the connection opening) and within
+    #: ``max_header_bytes``, else the connection gets a 408 or 431 and is closed; its body must
+    #: arrive whole within ``body_read_timeout_s`` of the gateway starting to read it, else 408.
+    header_read_timeout_s: float = Field(10.0, gt=0, le=3600)
+    body_read_timeout_s: float = Field(30.0, gt=0, le=3600)
+    max_header_bytes: int = Field(65_536, ge=4_096, le=16 << 20)
     upstream_timeout_s: float = Field(120.0, gt=0)
     #: Names this gateway process: its spool folder and its metrics. Two gateways never share one.
     gateway_id: str = "gateway-0"
@@ -139,6 +243,9 @@ class NodeSettings(_Section):
     #: The base URL the gateway reaches this node at (heartbeats carry it); empty: http://host:port.
     url: str = ""
     max_body_bytes: int = Field(1_000_000, ge=1_024)
+    #: A request body must arrive whole within this long of the node starting to read it, else 408
+    #: (headers: serving/server.py's defaults apply).
+    body_read_timeout_s: float = Field(30.0, gt=0, le=3600)
     seed: int = 0
     #: builtin: this process serves with the built-in engine. vllm: a vLLM server at ``vllm_url``
     #: generates and this process keeps it on the registry's versions (serving/node/vllm_adapter.py,

@@ -15,12 +15,14 @@ stream is ``data: {"error": {...}}`` (the envelope of :mod:`serving.errors`) and
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from typing import Any, AsyncIterator, Literal, TypeVar
 
 from fastapi import Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.requests import ClientDisconnect
 
 from flywheel.events import Ident
 from serving.errors import APIError, from_pydantic
@@ -29,6 +31,8 @@ from serving.errors import APIError, from_pydantic
 #: still serialise.
 MAX_JSON_DEPTH = 64
 _PRINTABLE = re.compile(r"^[^\x00-\x1f\x7f]+$")
+#: A JSON escape of a UTF-16 surrogate (raw UTF-8 cannot hold one): the only way a lone one gets in.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 
@@ -225,32 +229,65 @@ async def sse_data(lines: AsyncIterator[str]) -> AsyncIterator[str]:
         yield "\n".join(buffer)
 
 
-async def read_json_body(request: Request, limit: int) -> Any:
-    """The request body parsed as JSON, or an OpenAI-style 4xx: over ``limit`` bytes (413), empty,
-    malformed, or nested deeper than :data:`MAX_JSON_DEPTH` (400)."""
+async def read_json_body(request: Request, limit: int, timeout_s: float | None = None) -> Any:
+    """The request body parsed as JSON, or an OpenAI-style 4xx: over ``limit`` bytes (413), not
+    whole within ``timeout_s`` of starting to read it (408, and the connection is closed: a client
+    trickling its body cannot hold the server), empty, malformed (integers beyond Python's digit
+    limit and lone UTF-16 surrogates included), or nested deeper than :data:`MAX_JSON_DEPTH` (400)."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise APIError(413, f"request body is {declared} bytes; the limit is {limit}", code="request_too_large")
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise APIError(413, f"request body exceeds the limit of {limit} bytes", code="request_too_large")
-        chunks.append(chunk)
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise APIError(413, f"request body exceeds the limit of {limit} bytes", code="request_too_large")
+                chunks.append(chunk)
+    except TimeoutError:
+        raise APIError(408, f"request body not received within {timeout_s:g} s (received {size} bytes)",
+                       code="request_timeout", headers={"Connection": "close"}) from None
+    except ClientDisconnect:
+        raise APIError(400, "the client disconnected before sending the whole body", code="client_disconnected",
+                       headers={"Connection": "close"}) from None
     raw = b"".join(chunks)
     if not raw.strip():
         raise APIError(400, "request body is empty; send a JSON object", code="invalid_json")
     too_deep = APIError(400, f"request body nests deeper than {MAX_JSON_DEPTH} levels", code="invalid_json")
     try:
         body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise APIError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from None
     except RecursionError:
         raise too_deep from None
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, an integer of more than 4300 digits
+        raise APIError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from None
     if json_depth(body) > MAX_JSON_DEPTH:
         raise too_deep
+    # NUL bytes: JSON in UTF-16 or UTF-32 (json.loads reads those too), whose escapes the pattern misses.
+    if (b"\x00" in raw or _SURROGATE_ESCAPE.search(raw)) and _lone_surrogate(body):
+        raise APIError(400, "request body holds a lone UTF-16 surrogate (an escape in \\ud800-\\udfff that is not "
+                       "half of a pair): not Unicode text", code="invalid_json")
     return body
+
+
+def _lone_surrogate(value: Any) -> bool:
+    """True if a string (or key) in parsed JSON holds a surrogate that pairs with nothing; such text
+    cannot be encoded, tokenised or recorded. Without recursion, like :func:`json_depth`."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+        elif isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                return True
+    return False
 
 
 def json_depth(value: Any) -> int:

@@ -3,10 +3,22 @@
 Invariants: nothing global is installed when a ``stop`` event is given from a non-main thread
 (uvicorn only installs signal handlers in the main thread); the call returns after uvicorn has
 closed its sockets, so the port is free again.
+
+Slow and oversized request heads (slowloris, docs/security.md): uvicorn bounds neither the time a
+client may take to send a request's line and headers nor their size (its keep-alive timeout only
+runs between requests, and its default httptools parser buffers headers without limit). Every
+connection served here gets both bounds (:func:`guarded_protocol`): the head must be complete within
+``header_timeout_s`` of the connection opening or of its first byte (after a previous response),
+else ``408`` and the connection is closed; more than ``max_head_bytes`` without a complete head is
+``431`` and closed. Bytes a client keeps sending after its response (a body the app never read)
+count as a head too, so they cannot hold a connection open either. Bodies are the app's to bound
+(``serving.protocol.read_json_body``'s deadline).
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
 import logging
 import socket
 import threading
@@ -15,6 +27,10 @@ from typing import Any
 import uvicorn
 
 log = logging.getLogger(__name__)
+
+#: Bounds on a request's line and headers for every server (gateway settings may set their own).
+HEADER_TIMEOUT_S = 10.0
+MAX_HEAD_BYTES = 64 * 1024
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -28,6 +44,116 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _refusal(status: int, reason: str, message: str, code: str) -> bytes:
+    """A whole ``Connection: close`` response carrying the OpenAI error envelope."""
+    from serving.errors import error_body, error_type
+
+    body = json.dumps(error_body(message, type=error_type(status), code=code)).encode()
+    head = (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
+            "connection: close\r\n\r\n")
+    return head.encode("ascii") + body
+
+
+def guarded_protocol(base: type[asyncio.Protocol], header_timeout_s: float, max_head_bytes: int) -> type:
+    """``base`` (uvicorn's HTTP/1.1 protocol) with a deadline and a size limit on request heads;
+    see the module docstring."""
+
+    class Guarded(base):  # type: ignore[misc, valid-type]
+        _head_timer: asyncio.TimerHandle | None = None
+        _head_bytes = 0  # bytes of the head being received (at a message boundary only)
+        _head_bytes_seen = False  # any byte since the last complete head
+        _tail = b""  # the last bytes of the head so far (its end may straddle two reads)
+
+        def _waiting(self) -> bool:
+            """True between requests: no request, or the last one answered."""
+            return self.cycle is None or self.cycle.response_complete
+
+        def _at_boundary(self) -> bool:
+            """True unless the client is still sending the body of the last request (answered
+            before the app read all of it, such as a 413): those bytes are not a head."""
+            return self.cycle is None or not self.cycle.more_body
+
+        def _arm(self) -> None:
+            if self._head_timer is None:
+                self._head_timer = self.loop.call_later(header_timeout_s, self._head_timeout)
+
+        def _disarm(self) -> None:
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+                self._head_timer = None
+            self._head_bytes, self._tail = 0, b""
+
+        def _refuse(self, status: int, reason: str, message: str, code: str) -> None:
+            self._disarm()
+            if self.transport.is_closing():
+                return
+            # Only at a message boundary may another response be written: not while the client is
+            # still sending the body of a request that was already answered.
+            if self._head_bytes_seen and self._at_boundary():
+                self.transport.write(_refusal(status, reason, message, code))
+            log.info("closed a connection from %s: %s", (self.client or ("?",))[0], message)
+            self.transport.close()
+
+        def _head_timeout(self) -> None:
+            self._head_timer = None
+            if self._waiting():
+                self._refuse(408, "Request Timeout", f"request headers not received within {header_timeout_s:g} s",
+                             "request_timeout")
+
+        def connection_made(self, transport: Any) -> None:
+            super().connection_made(transport)
+            self._arm()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def data_received(self, data: bytes) -> None:
+            waiting, cycle = self._waiting(), self.cycle
+            if waiting:
+                self._arm()
+                self._head_bytes_seen = True
+                if self._at_boundary() and not self._count_head(data):
+                    self._refuse(431, "Request Header Fields Too Large",
+                                 f"request line and headers exceed {max_head_bytes} bytes", "request_too_large")
+                    return  # never parsed: a head this large is not buffered either
+            super().data_received(data)
+            if self.cycle is not cycle:  # a request's head is complete: the app has it now
+                self._disarm()
+                self._head_bytes_seen = False
+
+        def _count_head(self, data: bytes) -> bool:
+            """Add ``data`` to the head being received, up to the blank line that ends it (one read
+            may hold a whole head and the start of its body); False once it is too large."""
+            window = self._tail + data
+            end = window.find(b"\r\n\r\n")
+            if end < 0:
+                self._head_bytes += len(data)
+                self._tail = window[-3:]
+            else:
+                self._head_bytes += end + 4 - len(self._tail)
+            if self._head_bytes > max_head_bytes:
+                return False
+            if end >= 0:
+                self._head_bytes, self._tail = 0, b""
+            return True
+
+    Guarded.__name__ = Guarded.__qualname__ = f"Guarded{base.__name__}"
+    return Guarded
+
+
+def http_protocol(header_timeout_s: float = HEADER_TIMEOUT_S, max_head_bytes: int = MAX_HEAD_BYTES) -> type:
+    """uvicorn's HTTP/1.1 protocol (httptools when installed, else h11, as uvicorn's ``auto``),
+    guarded by :func:`guarded_protocol`."""
+    try:
+        import httptools  # noqa: F401
+    except ImportError:  # pragma: no cover - httptools comes with uvicorn[standard]
+        from uvicorn.protocols.http.h11_impl import H11Protocol as base
+    else:
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as base  # type: ignore[assignment]
+    return guarded_protocol(base, header_timeout_s, max_head_bytes)
+
+
 def serve(
     app: Any,
     *,
@@ -38,13 +164,16 @@ def serve(
     ready: threading.Event | None = None,
     log_level: str = "warning",
     graceful_timeout_s: float | None = None,
+    header_timeout_s: float = HEADER_TIMEOUT_S,
+    max_head_bytes: int = MAX_HEAD_BYTES,
 ) -> None:
     """Serve ``app`` until ``stop`` is set (or SIGINT/SIGTERM when run in the main thread); at
-    shutdown in-flight requests get ``graceful_timeout_s`` to finish (None: as long as they need)."""
+    shutdown in-flight requests get ``graceful_timeout_s`` to finish (None: as long as they need).
+    Request heads are bounded by ``header_timeout_s`` and ``max_head_bytes`` (module docstring)."""
     # log_config=None: uvicorn must not reconfigure the process's logging (the entry point owns it).
     config = uvicorn.Config(
         app, host=host, port=port, log_level=log_level.lower(), log_config=None, access_log=False, lifespan="on",
-        timeout_graceful_shutdown=graceful_timeout_s,
+        timeout_graceful_shutdown=graceful_timeout_s, http=http_protocol(header_timeout_s, max_head_bytes),
     )
     server = uvicorn.Server(config)
     done = threading.Event()

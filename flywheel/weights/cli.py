@@ -69,9 +69,23 @@ def _read_state(path: Path) -> dict[str, Any]:
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_bytes(data)
-    tmp.replace(path)
+    """Write ``path`` whole or not at all, through a fresh temp file beside it. The temp file's name
+    is random and created exclusively (``mkstemp``): a predictable name could be a symlink someone
+    planted in a shared folder, and writing through it would overwrite whatever it points at."""
+    import os
+    import tempfile
+
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        umask = os.umask(0o022)  # the mode a plain open() would give (mkstemp's is 0600); a CLI has one thread
+        os.umask(umask)
+        os.fchmod(fd, 0o666 & ~umask)
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def _fail(message: str) -> int:
@@ -149,8 +163,13 @@ def _squash(args: argparse.Namespace, settings: Any) -> int:
 
 
 def _gc(args: argparse.Namespace, settings: Any) -> int:
+    from flywheel.weights.store import StoreError
+
     registry = _registry(settings)
-    gone = registry.collect(keep_rollback=args.keep_rollback, node_ttl_s=args.node_ttl, dry_run=args.dry_run)
+    try:
+        gone = registry.collect(keep_rollback=args.keep_rollback, node_ttl_s=args.node_ttl, dry_run=args.dry_run)
+    except StoreError as exc:  # e.g. a registry row whose store_key is not a safe key: nothing outside is touched
+        return _fail(f"gc stopped: {exc}")
     verb = "would collect" if args.dry_run else "collected"
     print(f"{verb} {len(gone)} version(s) of {registry.model_line}: {', '.join(f'v{v}' for v in gone) or '-'}")
     return 0

@@ -22,8 +22,10 @@ Invariants:
 - A session keeps the model version it was first routed to (sticky, ``gateway.session_ttl_s`` after
   its last request); new sessions follow the rollout (tenant pin, canary share, stable). If no node
   holds the session's version any more, it moves to the current one and the move is counted.
-- Rejected requests (auth, rate limit, too large, malformed, invalid fields, unknown model) never
-  reach the upstream or the bus; they get a 4xx OpenAI envelope naming the offending field.
+- Rejected requests (auth, rate limit, too large, too slow, malformed, invalid fields, unknown model)
+  never reach the upstream or the bus; they get a 4xx OpenAI envelope naming the offending field. A
+  body must arrive whole within ``gateway.body_read_timeout_s`` (else 408 and the connection is
+  closed; request heads are bounded by serving/server.py, docs/security.md).
 - A node that serves each version under its own model name (a vLLM server in LoRA mode, whose
   heartbeat carries ``model_names``) is sent ``model = <its name for the session's version>``; its
   answer is turned back into the line's before anything else reads it (``routing.as_line``:
@@ -58,6 +60,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from flywheel.events import new_id
+from flywheel.keys import check_tenant
 from flywheel.settings import Settings
 from serving.errors import APIError, from_pydantic, install_error_handlers
 from serving.gateway import capture
@@ -258,7 +261,8 @@ class Gateway:
         except CaptureFull as exc:
             raise APIError(503, f"capture is unavailable ({exc}); the request was not served, retry later",
                            code="capture_unavailable") from None
-        body = await read_json_body(request, self.settings.gateway.max_body_bytes)
+        body = await read_json_body(request, self.settings.gateway.max_body_bytes,
+                                    self.settings.gateway.body_read_timeout_s)
         parsed = parse_chat_request(body) if kind == "chat" else parse_completion_request(body)
         self.check_model(parsed.model)
         session_id = check_session_id(request.headers.get(SESSION_HEADER) or uuid.uuid4().hex)
@@ -513,7 +517,8 @@ class Gateway:
     async def feedback(self, request: Request) -> JSONResponse:
         principal = await self.principal(request)
         await self.limit(principal)
-        body = await read_json_body(request, self.settings.gateway.max_body_bytes)
+        body = await read_json_body(request, self.settings.gateway.max_body_bytes,
+                                    self.settings.gateway.body_read_timeout_s)
         if not isinstance(body, dict):
             raise APIError(400, "request body must be a JSON object (one feedback item or {\"feedback\": [...]})")
         batch = "feedback" in body
@@ -731,7 +736,8 @@ def create_app(settings: Settings, *, producer_factory: Callable[[], Any] | None
 
         if action not in ("promote", "rollback", "pin"):
             raise APIError(404, f"unknown version action {action!r}; promote, rollback or pin", code="not_found")
-        body = await _optional_body(request, LinePinRequest if action == "pin" else RolloutActionRequest)
+        body = await _optional_body(request, LinePinRequest if action == "pin" else RolloutActionRequest,
+                                    settings.gateway.body_read_timeout_s)
         if not 0 <= version < 2**31:
             raise APIError(404, f"version {version} of {settings.model.line} is not in the registry",
                            param="version", code="version_not_found")
@@ -771,7 +777,7 @@ def create_app(settings: Settings, *, producer_factory: Callable[[], Any] | None
         who = await gateway.admin(request)
         from serving.rollout import RolloutError, manual_unpin, pin_figures
 
-        body = await _optional_body(request, LinePinRequest)
+        body = await _optional_body(request, LinePinRequest, settings.gateway.body_read_timeout_s)
         registry = _registry(settings, gateway.sessions)
         try:
             lifted = await asyncio.to_thread(manual_unpin, registry, who, body.reason)
@@ -782,7 +788,11 @@ def create_app(settings: Settings, *, producer_factory: Callable[[], Any] | None
     @app.put("/admin/pins/{tenant}", openapi_extra=_body_schema(PinRequest))
     async def admin_set_pin(tenant: str, request: Request) -> dict[str, Any]:
         await gateway.admin(request)
-        body = await read_json_body(request, 4096)
+        try:
+            check_tenant(tenant)
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="tenant", code="invalid_value") from None
+        body = await read_json_body(request, 4096, settings.gateway.body_read_timeout_s)
         try:
             pin = PinRequest.model_validate(body)
         except ValidationError as exc:
@@ -830,12 +840,12 @@ def _optional_body_schema(model: type[BaseModel]) -> dict[str, Any]:
     return extra
 
 
-async def _optional_body(request: Request, model: type[_Body]) -> _Body:
+async def _optional_body(request: Request, model: type[_Body], timeout_s: float) -> _Body:
     """The request body as ``model``; no body at all gives ``model()`` (its defaults)."""
     if request.headers.get("content-length", "0") == "0" and "transfer-encoding" not in request.headers:
         return model()
     try:
-        return model.model_validate(await read_json_body(request, 4096))
+        return model.model_validate(await read_json_body(request, 4096, timeout_s))
     except ValidationError as exc:
         raise from_pydantic(exc) from None
 

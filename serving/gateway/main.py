@@ -17,7 +17,7 @@ import logging
 import sys
 import threading
 
-from flywheel.settings import Settings
+from flywheel.settings import Settings, redact_url
 from serving.server import serve
 
 log = logging.getLogger(__name__)
@@ -42,6 +42,7 @@ def run(settings: Settings, stop: threading.Event | None = None) -> None:
     gc.set_threshold(*GC_THRESHOLDS)
     gateway = settings.gateway
     log.info("gateway %s on %s:%d -> %s", gateway.gateway_id, gateway.host, gateway.port,
-             gateway.upstream or "the fleet's nodes")
+             redact_url(gateway.upstream) if gateway.upstream else "the fleet's nodes")
     serve(app, host=gateway.host, port=gateway.port, stop=stop, log_level=settings.log_level,
-          graceful_timeout_s=gateway.drain_timeout_s)
+          graceful_timeout_s=gateway.drain_timeout_s, header_timeout_s=gateway.header_read_timeout_s,
+          max_head_bytes=gateway.max_header_bytes)

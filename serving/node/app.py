@@ -34,8 +34,12 @@ unsupported options (``n > 1``, ``top_logprobs > 0``, legacy ``logprobs > 0``, `
 overflow, engine not ready, version not held) is answered before a stream starts. ``stop`` is
 accepted and ignored (generation stops at eos or the token budget).
 
-Admin surface: ``POST /admin/update_weights`` only answers loopback clients — settings have no
-admin credential yet; a later issue replaces this check with one.
+Admin surface: ``POST /admin/update_weights`` only answers loopback clients (the peer address of
+the TCP connection, not a header: uvicorn takes ``X-Forwarded-For`` only from a loopback proxy), so
+only someone with a shell on the node's host reaches it; the gateway forwards nothing but the two
+completion routes. Settings have no admin credential for nodes yet; docs/security.md. Every request
+body must arrive whole within ``node.body_read_timeout_s`` (else 408); request heads are bounded by
+serving/server.py.
 """
 
 from __future__ import annotations
@@ -283,6 +287,7 @@ def create_app(engine: Engine, updater: Any = None, settings: Settings | None = 
     model_name = settings.model.line
     node_id = settings.node.node_id
     max_body_bytes = settings.node.max_body_bytes
+    body_timeout_s = settings.node.body_read_timeout_s
     app = FastAPI(title=f"flywheel node {node_id}", docs_url=None, redoc_url=None)
     app.state.engine = engine
     app.state.updater = updater
@@ -328,7 +333,7 @@ def create_app(engine: Engine, updater: Any = None, settings: Settings | None = 
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        chat = parse_chat_request(await read_json_body(request, max_body_bytes))
+        chat = parse_chat_request(await read_json_body(request, max_body_bytes, body_timeout_s))
         check_model(chat.model)
         if chat.top_logprobs:
             raise APIError(400, "top_logprobs > 0 is not supported yet; use 0 or omit it", param="top_logprobs")
@@ -344,7 +349,7 @@ def create_app(engine: Engine, updater: Any = None, settings: Settings | None = 
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        req = parse_completion_request(await read_json_body(request, max_body_bytes))
+        req = parse_completion_request(await read_json_body(request, max_body_bytes, body_timeout_s))
         check_model(req.model)
         if req.logprobs:
             raise APIError(400, "logprobs > 0 (alternatives per token) is not supported yet; use 0 or omit it",
@@ -395,9 +400,10 @@ def create_app(engine: Engine, updater: Any = None, settings: Settings | None = 
             raise APIError(403, "the admin API only answers loopback clients", code="forbidden")
         if updater is None:
             raise APIError(409, "this node has no updater (no registry configured)", code="no_updater")
-        raw = await request.body()
+        empty = request.headers.get("content-length", "0") == "0" and "transfer-encoding" not in request.headers
         try:
-            req = UpdateWeightsRequest.model_validate_json(raw or b"{}")
+            req = UpdateWeightsRequest.model_validate(
+                {} if empty else await read_json_body(request, 4096, body_timeout_s))
         except ValidationError as exc:
             raise from_pydantic(exc) from None
         outcome = await run_in_threadpool(updater.update_to if req.version is not None else updater.check_once,
