@@ -67,6 +67,7 @@ import torch
 from flywheel.bus import make_bus
 from flywheel.db.session import make_session_factory, open_database
 from flywheel.events import ScoredTrajectory
+from flywheel.health import Beat
 from flywheel.settings import Settings, TrainerSettings
 from flywheel.tinymodel.build import ensure_default_model
 from flywheel.tinymodel.sampling import load_model
@@ -111,6 +112,9 @@ def _train(settings: Settings, stop: threading.Event, dist: Dist) -> None:
     policy = Policy(model, cfg)
     engine = registry = resumed = published = None
     current = step = 0
+    # `flywheel health trainer`: rank 0 beats while it waits for a first version and on every turn
+    # of the loop; one turn may hold a whole step and a publish point (checkpoint + publish).
+    heartbeat = Beat(settings, "trainer")
     if dist.is_main:
         engine = open_database(settings.database_url, settings.db.wait_s)
         registry = Registry(make_session_factory(engine), make_store(settings), settings.model.line, full_every=cfg.full_every)
@@ -123,6 +127,7 @@ def _train(settings: Settings, stop: threading.Event, dist: Dist) -> None:
                 log.info("registered the zero LoRA adapter as %s v%d", settings.model.line, latest.version)
             while latest is None and not stop.is_set():  # the node (or `flywheel up`) registers version 0
                 log.info("waiting for a first version of %s in the registry", settings.model.line)
+                heartbeat.beat()
                 stop.wait(2.0)
                 latest = registry.latest()
             if latest is not None:
@@ -136,6 +141,7 @@ def _train(settings: Settings, stop: threading.Event, dist: Dist) -> None:
         None if dist.is_main and resumed is None and published is None
         else {"step": step, "scheduler": None if resumed is None else resumed.scheduler})
     if start is None:  # stopped while waiting for a first version
+        heartbeat.close()
         if engine is not None:
             engine.dispose()
         return
@@ -199,6 +205,7 @@ def _train(settings: Settings, stop: threading.Event, dist: Dist) -> None:
             buffer=buffer.state_dict(), offsets=offsets.state_dict(),
         )
         checkpoint.save(ckpt_dir, ckpt, keep=cfg.keep_checkpoints)
+        heartbeat.beat()
         info = publish(registry, exporter, ckpt, published)
         current, published, window, trained_ids = info.version, exporter.export(), [], []
         last_publish = time.monotonic()
@@ -213,6 +220,7 @@ def _train(settings: Settings, stop: threading.Event, dist: Dist) -> None:
     busy = False
     try:
         while True:
+            heartbeat.beat()
             if stop.is_set():
                 dist.broadcast_object(("stop",))
                 break
@@ -259,6 +267,7 @@ def _train(settings: Settings, stop: threading.Event, dist: Dist) -> None:
     finally:
         # --- cleanup -----------------------------------------------------------------------------
         log.info("trainer stopping at step %d, v%d: %s", step, current, buffer.counters())
+        heartbeat.close()
         consumer.close()
         bus.close()
         engine.dispose()
