@@ -43,6 +43,16 @@ before it replays the batch, and the replay is a no-op (raw events are keyed by 
 only newly stored events change a session). Replaying the topics from the start, in a new group,
 changes nothing in the database for the same reason.
 
+A database outage (``flywheel.db.session.is_db_outage``: the database refused or dropped the
+connection) does not end the process: the turn that met it is abandoned, the ``Ingestor`` is
+dropped (its reassembly buffers, watermarks, deferred outcomes and event cache are what a crash
+loses), and the worker waits for the database (up to ``db.wait_s`` per outage, beating its health
+file and polling the bus now and then so that it stays in its consumer group, dropping what that
+returns). Then it rewinds its partitions to their committed offsets and starts over with a new
+``Ingestor``: what the crash-safety rules above make of a restart, without leaving the group (no
+rebalance; on some brokers a member that leaves mid-join wedges the group). An outage longer than
+``db.wait_s``, and any other error, still ends the process.
+
 Outcomes wait for their turns: the feedback topic can run ahead of the generations topic (a
 backlog, a slow partition), and closing on an outcome then would emit a truncated revision scored
 with the whole session's outcome. A session whose generations partition this worker owns closes on
@@ -74,10 +84,12 @@ from sqlalchemy.exc import DataError, IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
 from flywheel.bus import Consumer, Producer, Record, make_bus, partition_for_key
+from flywheel.bus.base import stay_in_group
 from flywheel.bus.envelope import Reassembler
 from flywheel.db.models import Feedback, Generation
-from flywheel.db.session import make_session_factory, open_database
+from flywheel.db.session import OutageWait, is_db_outage, make_session_factory, open_database, outage_reason
 from flywheel.events import FeedbackEvent, GenerationEvent, TrajectoryEvent
+from flywheel.health import Beat
 from flywheel.settings import Settings
 from ingest import store
 from ingest.assemble import ClosedReason, assemble, turn_of
@@ -106,16 +118,18 @@ def check_event(event: Event) -> None:
 
 
 class Ingestor:
-    """The worker's state between passes: database, producer, topic names and counters."""
+    """The worker's state between passes: database, producer, topic names and counters (``counters``:
+    shared with the worker, which keeps them across the ``Ingestor`` it replaces after an outage)."""
 
-    def __init__(self, settings: Settings, sessions: sessionmaker[Session], producer: Producer) -> None:
+    def __init__(self, settings: Settings, sessions: sessionmaker[Session], producer: Producer,
+                 counters: Counter[str] | None = None) -> None:
         self.settings = settings
         self.sessions = sessions
         self.producer = producer
         self.generations_topic = settings.topic("generations")
         self.feedback_topic = settings.topic("feedback")
         self.trajectories_topic = settings.topic("trajectories")
-        self.counters: Counter[str] = Counter()
+        self.counters: Counter[str] = Counter() if counters is None else counters
         self.reassembler = Reassembler()
         self.cache = store.EventCache(settings.ingest.cache_tokens)
         #: Per generations partition, the newest event time read from it (the watermark).
@@ -400,30 +414,52 @@ def run(settings: Settings, stop: threading.Event | None = None) -> None:
     """Consume generations and feedback until ``stop`` is set (see the module docstring)."""
     stop = stop or threading.Event()
     engine = open_database(settings.database_url, settings.db.wait_s)
+    sessions = make_session_factory(engine)
     bus = make_bus(settings)
     topics = [settings.topic("generations"), settings.topic("feedback")]
     bus.ensure_topics([*topics, settings.topic("trajectories")])
     consumer = bus.consumer(consumer_group(settings), topics)
     producer = bus.producer()
-    ingestor = Ingestor(settings, make_session_factory(engine), producer)
+    counters: Counter[str] = Counter()
+    ingestor: Ingestor | None = Ingestor(settings, sessions, producer, counters)
+    heartbeat = Beat(settings, "ingest")  # `flywheel health ingest`: a turn is a poll plus one batch
+    outages = OutageWait(settings.database_url, settings.db.wait_s)
     log.info("ingest consuming %s", ", ".join(topics))
     previous: set[tuple[str, int]] = set()
     try:
         while not stop.is_set():
-            ingestor.emit_pending()
-            records = consumer.poll(timeout_s=POLL_TIMEOUT_S, max_records=MAX_RECORDS)
-            if records:
-                ingestor.process(records, consumer)
-                consumer.commit(ingestor.committable(records, consumer))
-            ingestor.close_deferred()
-            assignment = consumer.assignment()
-            if assignment != previous:
-                log.info("ingest owns %s", _owned(assignment) or "no partition")
-            elif len(records) < MAX_RECORDS:
-                ingestor.close_inactive({p for topic, p in assignment if topic == ingestor.generations_topic})
-            previous = assignment
+            heartbeat.beat()
+            try:
+                if ingestor is None:  # after an outage: start over as a restart would, still in the group
+                    consumer.rewind()
+                    ingestor = Ingestor(settings, sessions, producer, counters)
+                ingestor.emit_pending()
+                records = consumer.poll(timeout_s=POLL_TIMEOUT_S, max_records=MAX_RECORDS)
+                if records:
+                    ingestor.process(records, consumer)
+                    consumer.commit(ingestor.committable(records, consumer))
+                ingestor.close_deferred()
+                assignment = consumer.assignment()
+                if assignment != previous:
+                    log.info("ingest owns %s", _owned(assignment) or "no partition")
+                elif len(records) < MAX_RECORDS:
+                    ingestor.close_inactive({p for topic, p in assignment if topic == ingestor.generations_topic})
+                previous = assignment
+            except Exception as exc:
+                if not is_db_outage(exc):
+                    raise
+                ingestor = None  # what a crash loses; the database and the bus hold the rest
+                counters["db_outages"] += 1
+                log.warning("ingest: database unreachable (%s); waiting up to %gs for it, in the consumer group",
+                            outage_reason(exc, settings.database_url), settings.db.wait_s)
+                lasted = outages.wait(exc, between=lambda: (heartbeat.beat(), stay_in_group(consumer)), stop=stop)
+                if lasted is not None:
+                    log.warning("ingest: database back after %.1fs; reading again from the committed offsets", lasted)
+                continue
+            outages.turn_done()
     finally:
-        log.info("ingest stopping: %s", dict(ingestor.counters))
+        log.info("ingest stopping: %s", dict(counters))
+        heartbeat.close()
         consumer.close()
         producer.close()
         bus.close()

@@ -13,6 +13,13 @@ scored trajectory, flush, and only then commit the offsets.
   at-least-once on the bus, exactly-once in the database.
 - Held-out trajectories (``rewards.guards.is_held_out``) are scored and stored, never produced.
 - The normalisation statistics are rebuilt from the database at start (``rewards.normalise``).
+- A database outage (``flywheel.db.session.is_db_outage``) does not end the process: the batch that
+  met it is abandoned, the normaliser dropped (it may have observed rewards that were never
+  committed), and the worker waits for the database (up to ``db.wait_s`` per outage, beating its
+  health file and polling the bus now and then to stay in its consumer group, dropping what that
+  returns). Then it does what a restart does (spec registered, normaliser restored from the
+  database), rewinds its partitions to their committed offsets and goes on, without leaving the
+  group (no rebalance). A longer outage, and any other error, still ends the process.
 - At start the spec is validated, its custom builders resolved and its version registered: a
   changed spec under an old version stops the worker before it scores anything.
 """
@@ -22,19 +29,21 @@ from __future__ import annotations
 import logging
 import threading
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from sqlalchemy.orm import Session, sessionmaker
 
 from flywheel.bus import Consumer, Producer, Record, make_bus
-from flywheel.db.session import make_session_factory, open_database
+from flywheel.bus.base import stay_in_group
+from flywheel.db.session import OutageWait, is_db_outage, make_session_factory, open_database, outage_reason
 from flywheel.events import ScoredTrajectory, TrajectoryEvent
+from flywheel.health import Beat
 from flywheel.settings import Settings
 from rewards import store
 from rewards.builders import RewardOutput
 from rewards.normalise import Normaliser
 from rewards.scorer import Scorer, scored_event_id
-from rewards.spec import load_spec
+from rewards.spec import RewardSpec, load_spec
 
 log = logging.getLogger("flywheel.rewards")
 
@@ -53,8 +62,10 @@ def process(
     normaliser: Normaliser,
     topic: str,
     counters: Counter[str],
+    beat: Callable[[], object] | None = None,
 ) -> None:
-    """Score, persist and produce one batch; the caller commits the offsets afterwards."""
+    """Score, persist and produce one batch; the caller commits the offsets afterwards. ``beat``
+    (the worker's heartbeat) is called after each trajectory is scored: a judge call may be slow."""
     batch: dict[str, tuple[TrajectoryEvent, RewardOutput]] = {}
     for record in records:
         try:
@@ -68,6 +79,8 @@ def process(
         event_id = scored_event_id(traj.trajectory_id, traj.revision, scorer.spec.version)
         if event_id not in batch:  # a producer retry can put one trajectory twice in a batch
             batch[event_id] = (traj, scorer(traj))
+            if beat is not None:
+                beat()
     if not batch:
         return
     spec = scorer.spec
@@ -101,6 +114,17 @@ def process(
     producer.flush()
 
 
+def _prepare(sessions: sessionmaker[Session], spec: RewardSpec, restore_rows: int) -> tuple[Normaliser, int]:
+    """What the worker does before it scores, at start and after an outage: register ``spec`` (or
+    stop on a changed spec under an old version) and restore the normaliser from the newest
+    ``restore_rows`` scored rows; returns it and how many rows it replayed."""
+    normaliser = Normaliser(spec.normalise)
+    with sessions() as db, db.begin():
+        store.register_spec(db, spec)
+        restored = store.restore_normaliser(db, normaliser, spec.version, restore_rows)
+    return normaliser, restored
+
+
 def run(settings: Settings, stop: threading.Event | None = None) -> None:
     """Score trajectories until ``stop`` is set (see the module docstring)."""
     stop = stop or threading.Event()
@@ -109,26 +133,45 @@ def run(settings: Settings, stop: threading.Event | None = None) -> None:
     sessions = make_session_factory(engine)
     scorer = Scorer(spec, transcripts=store.DbTranscripts(sessions),
                     judge_api_key=settings.rewards.judge_api_key)
-    normaliser = Normaliser(spec.normalise)
-    with sessions() as db, db.begin():
-        store.register_spec(db, spec)
-        restored = store.restore_normaliser(db, normaliser, spec.version, settings.rewards.restore_rows)
+    normaliser: Normaliser | None
+    normaliser, restored = _prepare(sessions, spec, settings.rewards.restore_rows)
     bus = make_bus(settings)
     source, topic = settings.topic("trajectories"), settings.topic("scored")
     bus.ensure_topics([source, topic])
     consumer = bus.consumer(settings.group("rewards"), [source])
     producer = bus.producer()
     counters: Counter[str] = Counter()
+    heartbeat = Beat(settings, "rewards")  # `flywheel health rewards`: beats every turn and every scored trajectory
+    outages = OutageWait(settings.database_url, settings.db.wait_s)
     log.info("rewards scoring %s with spec %s (%s; normalisation restored from %d rows)",
              source, spec.version, spec.sha256[:12], restored)
     try:
         while not stop.is_set():
-            records = consumer.poll(timeout_s=POLL_TIMEOUT_S, max_records=MAX_RECORDS)
-            if records:
-                process(records, consumer, sessions, producer, scorer, normaliser, topic, counters)
-                consumer.commit(records)
+            heartbeat.beat()
+            try:
+                if normaliser is None:  # after an outage: start over as a restart would, still in the group
+                    normaliser, restored = _prepare(sessions, spec, settings.rewards.restore_rows)
+                    consumer.rewind()
+                    log.info("rewards: normalisation restored from %d rows", restored)
+                records = consumer.poll(timeout_s=POLL_TIMEOUT_S, max_records=MAX_RECORDS)
+                if records:
+                    process(records, consumer, sessions, producer, scorer, normaliser, topic, counters, heartbeat.beat)
+                    consumer.commit(records)
+            except Exception as exc:
+                if not is_db_outage(exc):
+                    raise
+                normaliser = None  # it may hold rewards never committed: restored from the database instead
+                counters["db_outages"] += 1
+                log.warning("rewards: database unreachable (%s); waiting up to %gs for it, in the consumer group",
+                            outage_reason(exc, settings.database_url), settings.db.wait_s)
+                lasted = outages.wait(exc, between=lambda: (heartbeat.beat(), stay_in_group(consumer)), stop=stop)
+                if lasted is not None:
+                    log.warning("rewards: database back after %.1fs; reading again from the committed offsets", lasted)
+                continue
+            outages.turn_done()
     finally:
         log.info("rewards stopping: %s", dict(counters))
+        heartbeat.close()
         consumer.close()
         producer.close()
         bus.close()

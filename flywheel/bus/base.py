@@ -16,6 +16,10 @@ Semantics both backends guarantee, checked by one conformance suite (tests/integ
   ``poll`` (the application has committed what it processed by then). A ``commit`` for a partition
   this consumer no longer owns is skipped with a warning: those records are redelivered to the new
   owner, which is the at-least-once contract, never a loss.
+- ``rewind`` puts every owned partition back at its last committed offset without leaving the
+  group: the next ``poll`` returns what a restart would read (the uncommitted records again, in
+  order). A worker that dropped its in-memory state (a database outage) resumes crash-equivalently
+  while keeping its partitions, with no rebalance.
 - A ``Consumer`` belongs to one thread; a ``Producer`` too.
 """
 
@@ -62,6 +66,12 @@ class Consumer(Protocol):
     def assignment(self) -> set[tuple[str, int]]:
         """The ``(topic, partition)`` pairs this consumer owns right now (changes only in ``poll``)."""
 
+    def rewind(self) -> None:
+        """The next ``poll`` returns records from each owned partition's last committed offset again
+        (what a restart would read, from the start where nothing was committed); membership and
+        ownership are kept (no rebalance). Raises :class:`BusError` if the committed offsets cannot
+        be read."""
+
     def caught_up(self, topic: str, partition: int) -> bool:
         """True when ``poll`` has returned every record the partition held, as last known (Kafka:
         the high watermark of the latest fetch); False when records wait, or when not known yet
@@ -84,6 +94,13 @@ class Bus(Protocol):
 
 class BusError(Exception):
     """A backend failure the caller should not paper over (broker error, corrupt log)."""
+
+
+def stay_in_group(consumer: Consumer) -> None:
+    """Poll once, briefly, so the consumer stays in its group while its application cannot process
+    anything (Kafka evicts a member that does not poll within ``max_poll_interval_ms``); the record
+    it may return is dropped, so call ``rewind`` before processing resumes."""
+    consumer.poll(timeout_s=0.1, max_records=1)
 
 
 def dlq_topic(topic: str) -> str:

@@ -19,6 +19,10 @@ Semantics, matching ``flywheel.bus.base``:
   a rebalance are skipped with a warning, and a commit the group coordinator rejects because a
   rebalance is under way is logged the same way: those records are redelivered to the new owner
   (at-least-once), never lost.
+- ``rewind`` seeks every assigned partition to its committed offset (``committed``, read from the
+  group coordinator), or to the beginning where none was committed (``auto_offset_reset``
+  "earliest", as a restart would); records already fetched past it are dropped by the client.
+  The consumer stays in its group: no LeaveGroup, no rebalance.
 - ``dead_letter`` produces the raw record to ``<topic>.dlq`` (created on first use) and waits
   for the acknowledgement before returning.
 - ``ensure_topics`` creates missing topics with the bus's partition count; existing topics are
@@ -45,6 +49,9 @@ from kafka.structs import OffsetAndMetadata
 from flywheel.bus.base import BusError, Record, dead_letter_headers, dlq_topic
 
 log = logging.getLogger(__name__)
+
+#: The longest ``rewind`` waits for the group coordinator to answer one committed-offset fetch.
+COMMITTED_TIMEOUT_MS = 30_000
 
 
 def _decode(raw: bytes | None) -> str | None:
@@ -227,6 +234,18 @@ class KafkaBusConsumer:
         if state is None or state.highwater is None or state.position is None:
             return False
         return state.position.offset >= state.highwater
+
+    def rewind(self) -> None:
+        owned = sorted(self._consumer.assignment(), key=lambda t: (t.topic, t.partition))
+        try:
+            for tp in owned:
+                offset = self._consumer.committed(tp, timeout_ms=COMMITTED_TIMEOUT_MS)
+                if offset is None:
+                    self._consumer.seek_to_beginning(tp)
+                else:
+                    self._consumer.seek(tp, offset)
+        except KafkaError as exc:
+            raise BusError(f"cannot rewind to the committed offsets: {exc}") from exc
 
     def poll(self, timeout_s: float = 1.0, max_records: int = 500) -> list[Record]:
         batches = self._consumer.poll(timeout_ms=int(timeout_s * 1000), max_records=max_records)

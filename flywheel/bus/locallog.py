@@ -34,6 +34,8 @@ Invariants and semantics:
   file, ``fsync``s it, ``os.replace``s it into place and ``fsync``s the directory: durable when
   ``commit`` returns. A new owner starts at the committed offset (seeking straight to the stored
   position after checking the frame there; scanning once if the check fails), or at offset 0.
+- ``rewind`` puts every owned partition back at its committed offset (and byte position), as a new
+  owner would start; the owner and member locks are kept, so no partition moves.
 - Topics are created on first ``send`` or by ``ensure_topics`` with the bus's partition count;
   an existing topic keeps the count it was created with.
 """
@@ -456,6 +458,16 @@ class LocalLogConsumer:
                 del state.ends[:drop]
                 state.ends_base += drop
         return out
+
+    def rewind(self) -> None:
+        if self._closed:
+            raise BusError("consumer is closed")
+        for state in self._owned.values():
+            # This consumer is the partition's only committer, so ``committed`` is the file's content;
+            # ``_open_log`` seeks there again on the next read.
+            state.seeked = False
+            state.next_offset = state.ends_base = state.committed[0]
+            state.ends = []
 
     def commit(self, records: Sequence[Record]) -> None:
         last: dict[tuple[str, int], int] = {}

@@ -11,24 +11,30 @@ Invariants:
   works from any working directory.
 - :func:`insert_ignore` never raises on a duplicate key and never commits; it reports how many rows
   were actually new.
-- Error messages name the database without its password.
+- Error messages name the database without its password (or any part of it, even from the driver's
+  own message) or secret query parameters: :func:`safe_url`.
+- :func:`is_db_outage` is True only for a database that cannot be reached (a connection refused,
+  dropped or terminated), never for a statement the database refused: a worker that rides out an
+  outage (:class:`OutageWait`) never retries a deadlock, a constraint or a bad query in a loop.
 """
 
 from __future__ import annotations
 
 import json
+import sqlite3
 import threading
-
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 import orjson
 from sqlalchemy import Engine, create_engine, event, text
 from sqlalchemy.engine import URL, make_url
-from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
+
+from flywheel.settings import redact_url, scrub, url_secrets
 
 SQLITE_BUSY_TIMEOUT_S = 30.0
 PG_CONNECT_TIMEOUT_S = 10
@@ -39,8 +45,15 @@ class DatabaseUnavailable(RuntimeError):
 
 
 def safe_url(url: str | URL) -> str:
-    """The URL as text with the password masked, for logs and error messages."""
-    return make_url(url).render_as_string(hide_password=True)
+    """The URL as text with its password (and secret query parameters, such as libpq's
+    ``?password=``) masked, for logs and error messages; never raises, even on an unparsable URL."""
+    return redact_url(url if isinstance(url, str) else url.render_as_string(hide_password=False))
+
+
+def _scrubbed(message: str, url: str | URL) -> str:
+    """A driver's error message about ``url`` without any part of its secrets."""
+    raw = url if isinstance(url, str) else url.render_as_string(hide_password=False)
+    return scrub(message, url_secrets(raw))
 
 
 def _sqlite_file(url: URL) -> Path | None:
@@ -113,10 +126,13 @@ def make_session_factory(engine: Engine) -> sessionmaker[Session]:
     return sessionmaker(bind=engine, expire_on_commit=False)
 
 
-def wait_for_db(url: str | URL, timeout_s: float) -> None:
+def wait_for_db(url: str | URL, timeout_s: float, between: Callable[[], object] | None = None) -> None:
     """Block until ``SELECT 1`` succeeds on ``url``, retrying with backoff for up to ``timeout_s``.
 
-    Raises :class:`DatabaseUnavailable` (naming the URL without its password) when time runs out.
+    ``between`` is called after every failed attempt, before the pause (at least every 7 s: an
+    attempt's connect timeout is at most 5 s, a pause at most 2 s): a waiting worker keeps its
+    heartbeat and its bus membership alive there. Raises :class:`DatabaseUnavailable` (naming the
+    URL without its password) when time runs out.
     """
     deadline = time.monotonic() + timeout_s
     delay = 0.1
@@ -130,7 +146,7 @@ def wait_for_db(url: str | URL, timeout_s: float) -> None:
                 conn.execute(text("SELECT 1"))
             return
         except OperationalError as exc:
-            last_error = str(exc.orig).strip() if exc.orig is not None else str(exc)
+            last_error = _scrubbed(str(exc.orig).strip() if exc.orig is not None else str(exc), url)
         finally:
             engine.dispose()
         remaining = deadline - time.monotonic()
@@ -139,8 +155,101 @@ def wait_for_db(url: str | URL, timeout_s: float) -> None:
                 f"database {safe_url(url)} not reachable after {timeout_s:g}s "
                 f"({attempts} attempt(s)): {last_error}"
             )
-        time.sleep(min(delay, remaining))
+        if between is not None:
+            between()
+            remaining = deadline - time.monotonic()
+        time.sleep(max(0.0, min(delay, remaining)))
         delay = min(delay * 2, 2.0)
+
+
+#: SQLSTATEs that mean the server cannot be reached or is going away: class 08 (connection
+#: exception), admin_shutdown, crash_shutdown, cannot_connect_now (starting up, in recovery) and
+#: too_many_connections.
+_OUTAGE_SQLSTATES = ("57P01", "57P02", "57P03", "53300")
+
+
+def is_db_outage(exc: BaseException) -> bool:
+    """Whether ``exc`` means the database cannot be reached right now, so that waiting for it and
+    trying again is the remedy: SQLAlchemy saw the connection drop (``connection_invalidated``:
+    terminated by the server, closed unexpectedly, network cut), or an ``OperationalError`` /
+    ``InterfaceError`` that is a connection failure (no SQLSTATE: the client could not connect,
+    e.g. refused or "not currently accepting connections"; or a SQLSTATE in
+    :data:`_OUTAGE_SQLSTATES` or class 08).
+
+    Not an outage: a statement the database refused, even as an ``OperationalError`` (deadlock,
+    serialization failure, statement timeout, disk full carry their SQLSTATE), and any SQLite
+    error (a local file has no outage; "database is locked" already waited 30 s).
+    """
+    if not isinstance(exc, DBAPIError):
+        return False
+    if exc.connection_invalidated:
+        return True
+    if not isinstance(exc, (OperationalError, InterfaceError)) or isinstance(exc.orig, sqlite3.Error):
+        return False
+    code = getattr(exc.orig, "pgcode", None) or getattr(exc.orig, "sqlstate", None)  # psycopg2 | psycopg 3
+    return code is None or code.startswith("08") or code in _OUTAGE_SQLSTATES
+
+
+def outage_reason(exc: BaseException, url: str | URL) -> str:
+    """The first line of the driver's message in ``exc``, without any part of ``url``'s secrets
+    (the SQL statement and its parameters, which SQLAlchemy adds, are left out)."""
+    orig = exc.orig if isinstance(exc, DBAPIError) and exc.orig is not None else exc
+    lines = str(orig).strip().splitlines()
+    return _scrubbed(lines[0] if lines else type(orig).__name__, url)[:300]
+
+
+class OutageWait:
+    """A worker loop's database outages: how long each may last before the worker gives up.
+
+    An outage begins at the first error :func:`is_db_outage` accepts after a good turn
+    (:meth:`turn_done`) and may last ``timeout_s`` in all, however many times the database comes
+    back and drops again in between. :meth:`wait` blocks until the database answers, or raises
+    :class:`DatabaseUnavailable` once the outage has lasted ``timeout_s``; the worker then exits
+    as it does on any other error, and its supervisor restarts it.
+    """
+
+    def __init__(self, url: str | URL, timeout_s: float) -> None:
+        self.url = url
+        self.timeout_s = timeout_s
+        self.since: float | None = None  # monotonic time the current outage began
+        self.count = 0  # outages met so far
+
+    def turn_done(self) -> None:
+        """A turn of the loop completed: the next outage error begins a new outage."""
+        self.since = None
+
+    def wait(self, exc: BaseException, between: Callable[[], object] | None = None,
+             stop: threading.Event | None = None) -> float | None:
+        """After the outage error ``exc``: block until ``SELECT 1`` succeeds again, calling ``between``
+        meanwhile (``wait_for_db``); returns the seconds this outage has lasted so far, or None
+        when ``stop`` was set meanwhile (seen between two attempts: within about 7 s)."""
+        now = time.monotonic()
+        if self.since is None:
+            self.since = now
+            self.count += 1
+        remaining = self.timeout_s - (now - self.since)
+        if remaining <= 0:
+            raise DatabaseUnavailable(
+                f"database {safe_url(self.url)} still failing after {self.timeout_s:g}s: {outage_reason(exc, self.url)}"
+            ) from exc
+
+        def meanwhile() -> None:
+            if between is not None:
+                between()
+            if stop is not None and stop.is_set():
+                raise _Stopped
+
+        try:
+            wait_for_db(self.url, remaining, meanwhile)
+        except _Stopped:
+            return None
+        except DatabaseUnavailable as gone:
+            raise gone from exc
+        return time.monotonic() - self.since
+
+
+class _Stopped(Exception):
+    """``OutageWait.wait``: the worker was asked to stop while it waited."""
 
 
 def _alembic_config(url: str | URL) -> Any:

@@ -1,18 +1,19 @@
 """Bus conformance: every test runs against the local log and a real Kafka-protocol broker.
 
 The semantics checked are the ones documented in ``flywheel.bus.base``: per-key order, durable
-commits, at-least-once redelivery, group resume, independent groups, dead letters and exclusive
-partition ownership inside a group.
+commits, at-least-once redelivery, group resume, rewind to the committed offsets, independent
+groups, dead letters and exclusive partition ownership inside a group.
 """
 
 from __future__ import annotations
 
+import itertools
 import random
 import threading
 import time
 import uuid
 from collections import defaultdict
-from typing import Callable
+from typing import Any, Callable
 
 import pytest
 
@@ -228,6 +229,72 @@ def test_group_resumes_after_restart(bus_settings: Settings, bus: Bus) -> None:
     finally:
         restarted.close()
     assert sorted(r.value for r in got2) == sorted(v for _, v in batch2)
+
+
+def _membership(consumer: Consumer) -> tuple[Any, ...]:
+    """Who ``consumer`` is in its group; any leave, rejoin or rebalance changes it. Kafka: the
+    generation and member id the coordinator gave it; local log: its member id and the owner lock
+    (file descriptor) it holds for each partition."""
+    from flywheel.bus.kafka import KafkaBusConsumer
+    from flywheel.bus.locallog import LocalLogConsumer
+
+    if isinstance(consumer, KafkaBusConsumer):
+        generation = consumer._consumer._coordinator._generation
+        return ("kafka", generation.generation_id, generation.member_id)
+    assert isinstance(consumer, LocalLogConsumer)
+    return ("local", consumer._member.member_id, sorted((pair, s.owner_fd) for pair, s in consumer._owned.items()))
+
+
+def by_partition(records: list[Record]) -> dict[int, list[int]]:
+    out: dict[int, list[int]] = defaultdict(list)
+    for record in records:
+        out[record.partition].append(record.offset)
+    return dict(out)
+
+
+def test_rewind_returns_to_the_committed_offsets_keeping_membership(bus_settings: Settings, bus: Bus) -> None:
+    """What a worker does after a database outage: ``rewind``, then the next polls return exactly the
+    records not committed, each partition in order from its committed offset (from the start where
+    nothing was committed), while the consumer keeps its membership and partitions."""
+    topic = _topic(bus_settings, bus)
+    n = bus_settings.bus.partitions
+    everything = {(topic, p) for p in range(n)}
+    names = (f"rw-{j}" for j in itertools.count())
+    keys = {}
+    while len(keys) < n:  # one key per partition, so every partition holds records
+        key = next(names)
+        keys.setdefault(partition_for_key(key, n), key)
+    first = [(keys[i % n], f"a{i}".encode()) for i in range(12 * n)]
+    _produce(bus, topic, first)
+    consumer = bus.consumer(f"rewind-{uuid.uuid4().hex[:8]}", [topic])
+    try:
+        got = wait_assigned(consumer, everything)
+        got += drain(consumer, len(first) - len(got))
+        member = _membership(consumer)
+        polled = {p: [r for r in got if r.partition == p] for p in range(n)}
+        # Partition 0: nothing committed; 1: all of it; the others a different share each.
+        committed = [r for p, records in polled.items() for r in records[: (0 if p == 0 else len(records) if p == 1
+                                                                              else p * len(records) // (n + 1))]]
+        consumer.commit(committed)
+        second = [(keys[i % n], f"b{i}".encode()) for i in range(5 * n)]
+        _produce(bus, topic, second)
+        got += drain(consumer, len(second))
+        assert len(set(ids(got))) == len(got) == len(first) + len(second)
+
+        consumer.rewind()
+        expected = sorted(set(ids(got)) - set(ids(committed)))
+        again = drain(consumer, len(expected), settle_s=1.0)
+        assert by_partition(again) == by_partition([r for r in got if (r.partition, r.offset) in set(expected)])
+        assert sorted(ids(again)) == expected  # each once, nothing committed among them
+        assert {r.value for r in again} == {r.value for r in got if (r.partition, r.offset) in set(expected)}
+        assert consumer.assignment() == everything and _membership(consumer) == member
+
+        consumer.commit(again)  # processed this time: a rewind now has nothing to return
+        consumer.rewind()
+        assert drain(consumer, 0, settle_s=1.0) == []
+        assert consumer.assignment() == everything and _membership(consumer) == member
+    finally:
+        consumer.close()
 
 
 def test_independent_groups_each_see_everything(bus_settings: Settings, bus: Bus) -> None:
