@@ -35,6 +35,14 @@ Every ``rollout.interval_s`` :func:`step` reads the registry and does at most on
    not "worse". Each test is worse at ``p < alpha`` (no multiple-comparison correction: three
    tests at 0.05 roll back an equal canary about 14% of the time at each look).
 
+   A canary that served nothing while stable served ``min_samples`` for ``window_s`` (no session
+   reached it) is ``rolled_back``: waiting would stall the line.
+
+3. **In either case, the fleet first**: a canary or stable version that no node can load (every node with
+   a fresh database heartbeat reports ``failed_update`` for it, none serves it: :func:`unloadable`)
+   is ``rolled_back`` at once; for stable, the previous stable version is restored first, as
+   :func:`manual_rollback` does. The nodes never left the version they served, so this puts the
+   registry back in line with the fleet, and new sessions stop being sent to a version nobody has.
    Until both versions served ``min_samples`` generations: wait. Then any test worse (or the
    held-out gate failing now that the canary served traffic): ``rolled_back`` at once (the
    repeated looks make false rollbacks likelier, never false promotions). Otherwise, once
@@ -59,7 +67,8 @@ compare-and-set), never in a process.
 
 Invariants: the statistics and the decisions are pure functions of plain numbers
 (``serving.rollout_policy``); the IO around them is reads of the registry and the database and
-:meth:`Registry.set_status`; the registry is the only state; at most one status change per tick (a manual rollback of stable makes two: the
+:meth:`Registry.set_status`; the registry is the only state; at most one status change per tick (a
+rollback of stable makes two: the
 restored version first, so a stable version always exists); a decision is applied only while the
 version still has the status it was decided on (``Registry.set_status(..., expect=)``, a
 compare-and-set under the line's lock).
@@ -71,11 +80,13 @@ import argparse
 import json
 import logging
 import threading
+import time
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Callable, Sequence
 
 from flywheel.events import VersionEvent
+from flywheel.health import Beat
 from flywheel.settings import RolloutSettings, Settings
 from flywheel.weights.registry import LinePinned, PinInfo, StatusChanged, VersionNotFound, WeightsError
 from serving.rollout_policy import (
@@ -84,6 +95,12 @@ from serving.rollout_policy import (
 )
 
 log = logging.getLogger(__name__)
+
+#: The controller beats at least this often while it waits for its next decision.
+BEAT_EVERY_S = 5.0
+#: A node whose database heartbeat (every 10 s, and at every status change) is older than this is
+#: gone and has no say in :func:`unloadable`.
+NODE_FRESH_S = 60.0
 
 # --- IO --------------------------------------------------------------------------------------------
 
@@ -145,6 +162,28 @@ def version_sample(db: Any, model_line: str, version: int, since: datetime) -> V
     return VersionSample(int(n), int(negative), int(errors), tuple(float(v) for v in latencies if v is not None))
 
 
+def unloadable(db: Any, model_line: str, version: int, now: datetime) -> str | None:
+    """Why no node can serve ``version``: every node of the line whose database heartbeat is
+    younger than :data:`NODE_FRESH_S` reports ``failed_update`` for it (its detail names the
+    version, as ``serving.node`` writes it) and none serves it. None while some node serves it, is
+    still loading it or failed on something else, or no node reports at all."""
+    from sqlalchemy import select
+
+    from flywheel.db.models import Node
+
+    nodes = [n for n in db.scalars(select(Node).where(Node.model_line == model_line))
+             if (now - _utc(n.last_heartbeat)).total_seconds() <= NODE_FRESH_S]
+    prefix = f"version {version}:"
+    if not nodes or not all(n.status == "failed_update" and n.detail.startswith(prefix)
+                            and n.live_version != version for n in nodes):
+        return None
+    return "; ".join(f"{n.node_id}: {n.detail[len(prefix):].strip()[:200]}" for n in sorted(nodes, key=lambda n: n.node_id))
+
+
+def _utc(value: datetime) -> datetime:
+    return value if value.tzinfo is not None else value.replace(tzinfo=UTC)  # SQLite: naive, stored as UTC
+
+
 def _gates(registry: Any, db: Any, stable: int | None, policy: RolloutSettings) -> Callable[[Any], list[GateResult]]:
     def gate(info: Any) -> list[GateResult]:
         rows = held_out_rows(db, registry.model_line, [info.version] + ([stable] if stable is not None else []))
@@ -178,6 +217,13 @@ def evaluate(registry: Any, sessions: Any, policy: RolloutSettings, now: datetim
         return pinned_decision(pin, versions)
     stable = max((v.version for v in versions if v.status == "stable"), default=None)
     canary = max((v for v in versions if v.status == "canary"), key=lambda v: v.version, default=None)
+    for version, status in ((canary.version if canary else None, "canary"), (stable, "stable")):
+        if version is None:
+            continue
+        with sessions() as db:  # its own session: SQLite's write lock must not outlive the read
+            why = unloadable(db, registry.model_line, version, now)
+        if why is not None:
+            return Decision("rollback", version, f"no node can load {status} v{version}: {why}", {}, status)
     with sessions() as db:
         gate = _gates(registry, db, stable, policy)
         if canary is None:
@@ -214,7 +260,18 @@ def step(registry: Any, sessions: Any, policy: RolloutSettings,
          notify: Callable[[VersionEvent], None] | None = None, now: datetime | None = None) -> Decision:
     """Decide (:func:`evaluate`), log the decision with its figures, apply and announce it."""
     decision = evaluate(registry, sessions, policy, now)
-    if decision.changed:
+    if decision.changed and decision.was == "stable":  # no node can load it: restore the previous one
+        assert decision.version is not None
+        try:
+            changed = manual_rollback(registry, decision.version, f"rollout: {decision.reason}", by="rollout")
+        except RolloutError as exc:  # nothing to restore, or an operator acted meanwhile
+            log.error("rollout: cannot roll back stable v%d: %s", decision.version, exc)
+            return Decision("none", decision.version, str(exc))
+        log.warning("rollout: v%d -> rolled_back, v%d restored: %s", decision.version, changed[0], decision.reason)
+        if notify is not None:
+            for version in changed:
+                notify(version_event(registry.get(version)))
+    elif decision.changed:
         assert decision.version is not None
         try:
             registry.set_status(decision.version, _STATUS_OF[decision.action], reason=f"rollout: {decision.reason}",
@@ -287,11 +344,19 @@ def run(settings: Settings, stop: threading.Event | None = None) -> None:
         producer.flush()
 
     stop = stop or threading.Event()
+    # `flywheel health rollout`: the wait between decisions (hours in production) is cut into
+    # slices of at most BEAT_EVERY_S, each followed by a beat; a wedged decision stops the beats.
+    heartbeat = Beat(settings, "rollout")
     try:
         while not stop.is_set():
+            heartbeat.beat()
             step(registry, sessions, settings.rollout, notify)
-            stop.wait(settings.rollout.interval_s)
+            heartbeat.beat()
+            due = time.monotonic() + settings.rollout.interval_s
+            while not stop.wait(max(0.0, min(BEAT_EVERY_S, due - time.monotonic()))) and time.monotonic() < due:
+                heartbeat.beat()
     finally:
+        heartbeat.close()
         producer.close()
         bus.close()
         db.dispose()

@@ -17,13 +17,13 @@ from pathlib import Path
 import pytest
 
 from flywheel.cli import build_parser, dispatch
-from flywheel.db.models import Feedback, Generation, RewardSpecRow, RewardVersionStats
+from flywheel.db.models import Feedback, Generation, Node, RewardSpecRow, RewardVersionStats
 from flywheel.events import VersionEvent
 from flywheel.settings import RolloutSettings, load_settings
 from flywheel.weights.registry import Registry
 from flywheel.weights.store import FolderStore
 from serving.rollout import (
-    Pinned, RolloutError, manual_pin, manual_promote, manual_rollback, manual_unpin, step, tick,
+    NODE_FRESH_S, Pinned, RolloutError, manual_pin, manual_promote, manual_rollback, manual_unpin, step, tick,
 )
 from tests.integration.test_registry import make_state, train_step
 
@@ -170,6 +170,48 @@ def test_canary_fraction_zero_promotes_directly(registry, sessions):
     d = step(registry, sessions, POLICY.model_copy(update={"canary_fraction": 0.0}))
     assert (d.action, d.version) == ("promote", v1) and "canary_fraction 0" in d.reason
     assert statuses(registry) == {0: "retired", v1: "stable"}
+
+
+def report(sessions, node_id: str, live: int | None, status: str, detail: str, age_s: float = 0.0) -> None:
+    """A node's database heartbeat, as ``serving.node.updater`` writes it."""
+    with sessions() as db, db.begin():
+        db.merge(Node(node_id=node_id, region="eu", url=f"http://{node_id}", model_line=LINE, live_version=live,
+                      status=status, detail=detail, last_heartbeat=datetime.now(UTC) - timedelta(seconds=age_s)))
+
+
+def test_a_stable_version_no_node_can_load_is_rolled_back_and_the_previous_one_restored(registry, sessions):
+    v1, v2 = publish(registry), publish(registry)
+    direct = POLICY.model_copy(update={"canary_fraction": 0.0})
+    assert step(registry, sessions, direct).version == v2 and statuses(registry)[v2] == "stable"
+    failed = f"version {v2}: WeightsError: delta v{v2} rebuilds to 0a1b2c3d4e5f, expected 9f8e7d6c5b4a"
+    report(sessions, "node-a", 0, "failed_update", failed)
+    report(sessions, "node-b", 0, "updating", f"loading version {v2}")
+    report(sessions, "node-gone", 0, "serving", "", age_s=NODE_FRESH_S + 5)  # stale: no say
+    assert step(registry, sessions, direct).action == "none"  # node-b may still load it
+    report(sessions, "node-b", v2, "serving", f"updated 0 -> {v2}")
+    assert step(registry, sessions, direct).action == "none"  # one node serves it
+    report(sessions, "node-b", 0, "failed_update", failed)
+    events: list[VersionEvent] = []
+    d = step(registry, sessions, direct, events.append)
+    assert (d.action, d.version, d.was) == ("rollback", v2, "stable")
+    assert "node-a: WeightsError" in d.reason and "node-b: WeightsError" in d.reason
+    assert statuses(registry) == {0: "stable", v1: "candidate", v2: "rolled_back"}  # v0 was the last stable
+    assert [(e.version, e.status) for e in events] == [(0, "stable"), (v2, "rolled_back")]
+    assert "no node can load stable" in registry.transitions(v2)[-1]["reason"]
+    # The nodes serve v0 again: nothing more to undo; v1 is the next candidate as usual.
+    report(sessions, "node-a", 0, "serving", "")
+    assert (step(registry, sessions, direct).action, statuses(registry)[v1]) == ("promote", "stable")
+
+
+def test_a_canary_no_node_can_load_is_rolled_back_without_waiting_for_samples(registry, sessions):
+    v1 = publish(registry)
+    assert step(registry, sessions, POLICY).action == "canary"
+    report(sessions, "node-a", 0, "failed_update", f"version {v1}: WeightsError: truncated delta")
+    report(sessions, "node-b", 0, "failed_update", f"version {v1 + 7}: WeightsError: another version")
+    assert step(registry, sessions, POLICY).action == "wait"  # node-b failed on something else
+    report(sessions, "node-b", 0, "failed_update", f"version {v1}: WeightsError: truncated delta")
+    d = step(registry, sessions, POLICY)
+    assert (d.action, d.was) == ("rollback", "canary") and statuses(registry) == {0: "stable", v1: "rolled_back"}
 
 
 def test_manual_promote_and_rollback(registry, sessions):
