@@ -17,6 +17,7 @@ import sys
 import threading
 from typing import Any, Callable
 
+from flywheel.health import ROLES as HEALTH_ROLES
 from flywheel.settings import Settings, SettingsError, load_settings
 
 #: role -> "module:function" taking (settings, stop)
@@ -79,6 +80,16 @@ def _version_ref(text: str) -> int | tuple[str, int]:
     return (line, int(digits)) if line else int(digits)
 
 
+def _text_arg(text: str) -> str:
+    """A free-text argument that is stored or matched in the database: at most 1000 characters and
+    no control characters (PostgreSQL refuses NUL in text; the others only garble logs)."""
+    if len(text) > 1000:
+        raise argparse.ArgumentTypeError("longer than 1000 characters")
+    if any(ord(c) < 32 or ord(c) == 127 for c in text):
+        raise argparse.ArgumentTypeError(f"control characters are not allowed: {text[:80]!r}")
+    return text
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flywheel", description="RL from live product feedback.")
     parser.add_argument("--config", help="settings file (TOML or JSON); also FLYWHEEL_CONFIG")
@@ -87,6 +98,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("schema", help="print the JSON Schemas of the wire contracts")
     sub.add_parser("settings", help="print the effective settings as JSON")
+    health = sub.add_parser("health", help="exit 0 if ROLE's main loop beat on this host lately, else 1 with the reason "
+                                           "(the container health check; flywheel/health.py)")
+    health.add_argument("role", choices=HEALTH_ROLES)
+    health.add_argument("--max-age-s", type=float, default=60.0,
+                        help="the loop's longest legitimate pause: an older heartbeat is unhealthy (default 60)")
     db = sub.add_parser("db", help="database administration")
     db.add_argument("action", choices=["upgrade"])
 
@@ -104,7 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 "the pin and the next decision")
             p.add_argument("version", nargs="?", type=_version_ref,
                            help="promote / rollback / pin: the version of model.line (V, vV or LINE:V)")
-            p.add_argument("--reason", help="promote / rollback / pin / unpin: added to the audited reason")
+            p.add_argument("--reason", type=_text_arg,
+                           help="promote / rollback / pin / unpin: added to the audited reason")
             p.add_argument("--force", action="store_true",
                            help="promote / rollback on a pinned line: do it anyway (the pin follows the new "
                                 "stable version)")
@@ -114,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
                            help="rescore: rebuild scores from stored trajectories under --spec (no bus); "
                                 "report: per-version training/held-out reward rates and anomaly flags")
             p.add_argument("--spec", help="rescore: the reward spec TOML to score with")
-            p.add_argument("--spec-version", help="report: only this spec version")
+            p.add_argument("--spec-version", type=_text_arg, help="report: only this spec version")
             p.add_argument("--json", action="store_true", help="report: print JSON")
 
     up = sub.add_parser("up", help="run every role on this machine (embedded defaults)")
@@ -129,6 +146,19 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--plot", dest="plot_path", help="write the reward-over-time PNG here")
     demo.add_argument("--port", type=int, help="gateway port (default: a free one)")
     demo.add_argument("--seed", type=int, default=0)
+
+    chaos = sub.add_parser("chaos", help="run the whole stack under injected faults and check its invariants "
+                                         "(private PostgreSQL, Redis and Kafka-protocol broker; docs/chaos.md)")
+    chaos.add_argument("--scenario", "-s", action="append", metavar="NAME[,NAME]",
+                       help="scenarios to run (repeatable; default: all; --list names them)")
+    chaos.add_argument("--list", action="store_true", help="list the scenarios and exit")
+    chaos.add_argument("--quick", action="store_true", help="the quick subset, 20 s of traffic each")
+    chaos.add_argument("--seconds", type=float,
+                       help="traffic (and fault) window per scenario (default 30; bad_delta takes at least 45)")
+    chaos.add_argument("--users", type=int, default=6, help="concurrent simulated users")
+    chaos.add_argument("--seed", type=int, default=0)
+    chaos.add_argument("--json", dest="json_path", help="write the results as JSON here")
+    chaos.add_argument("--keep", action="store_true", help="keep the run folder (logs, configs) afterwards")
 
     model = sub.add_parser("model", help="the built-in tiny model")
     model.add_argument("action", choices=["build"])
@@ -156,7 +186,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     for chatty in ("httpx", "httpcore", "alembic", "kafka"):  # one line per request or per plugin
         logging.getLogger(chatty).setLevel(max(logging.WARNING, logging.getLogger().level))
-    return dispatch(args, settings)
+    from flywheel.db.session import DatabaseUnavailable
+
+    try:
+        return dispatch(args, settings)
+    except DatabaseUnavailable as exc:  # its message names the database without its password
+        print(f"flywheel: {exc}", file=sys.stderr)
+        return 1
 
 
 def dispatch(args: argparse.Namespace, settings: Settings) -> int:
@@ -167,15 +203,23 @@ def dispatch(args: argparse.Namespace, settings: Settings) -> int:
         print(schemas_json())
         return 0
     if command == "settings":
-        print(json.dumps(settings.model_dump(mode="json"), indent=2))
+        from flywheel.settings import redacted
+
+        print(json.dumps(redacted(settings), indent=2))  # passwords and keys as *** (docs/security.md)
         return 0
     if command == "db":
-        from flywheel.db.session import upgrade, wait_for_db
+        from flywheel.db.session import safe_url, upgrade, wait_for_db
 
         wait_for_db(settings.database_url, settings.db.wait_s)
         upgrade(settings.database_url)
-        print(f"database at head: {settings.database_url.split('@')[-1]}")
+        print(f"database at head: {safe_url(settings.database_url)}")
         return 0
+    if command == "health":
+        from flywheel.health import check
+
+        ok, message = check(settings, args.role, args.max_age_s)
+        print(message if ok else f"flywheel health: {message}", file=sys.stdout if ok else sys.stderr)
+        return 0 if ok else 1
     if command == "model":
         from flywheel.tinymodel.build import ensure_default_model
 
@@ -197,6 +241,19 @@ def dispatch(args: argparse.Namespace, settings: Settings) -> int:
 
         options = DemoOptions.from_args(args)
         return run_demo(settings, options, stop_on_signals())
+    if command == "chaos":
+        from chaos import SCENARIOS, ChaosOptions, run_chaos
+
+        if args.list:
+            for scenario in SCENARIOS.values():
+                print(f"{scenario.name:<18} {scenario.summary}")
+            return 0
+        try:
+            options = ChaosOptions.from_args(args)
+        except ValueError as exc:
+            print(f"flywheel chaos: {exc}", file=sys.stderr)
+            return 2
+        return run_chaos(settings, options)
     if command == "weights":
         return args.weights_func(args, settings)
     if command == "keys":

@@ -23,7 +23,7 @@ def test_demo_loop_ships_verified_deltas_and_loses_nothing(tmp_path, tiny_model_
         trainer={"batch_size": 16},
     )
     out = tmp_path / "summary.json"
-    options = DemoOptions(quick=True, minutes=1.0, users=4, json_path=str(out), plot_path=str(tmp_path / "plot.png"))
+    options = DemoOptions(quick=True, minutes=0.6, users=4, json_path=str(out), plot_path=str(tmp_path / "plot.png"))
     assert run_demo(settings, options, threading.Event()) == 0
     summary = json.loads(out.read_text())
 

@@ -1,0 +1,191 @@
+"""After the traffic: settle, converge, rescore, and read everything into a :class:`Snapshot`.
+
+:func:`settle` waits until the system caught up (the spool drained, everything received stored,
+every session closed, every trajectory scored); :func:`converge_nodes` lets the nodes reach the
+stable version; :func:`rescore` runs ``flywheel rewards rescore`` under a copy of the live spec;
+:func:`collect` reads the database, the node logs and the node watcher.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+import time
+from typing import Any
+
+import httpx
+
+from chaos.fleet import NODES, Fleet, NodeWatcher, node_logs
+from chaos.invariants import Expectation, FeedbackRow, GenRow, ScoredRow, Snapshot, TrajectoryRow, VersionRow
+from chaos.services import wait_for
+from chaos.users import Users
+from flywheel.settings import Settings
+
+log = logging.getLogger("flywheel.chaos")
+
+
+def _counts(engine: Any, spec: str | None) -> dict[str, int]:
+    from sqlalchemy import func, select
+
+    from flywheel.db.models import Feedback, Generation, ScoredTrajectoryRow, SessionState, Trajectory
+
+    with engine.connect() as conn:
+        def n(stmt: Any) -> int:
+            return int(conn.scalar(stmt) or 0)
+
+        return {
+            "generations": n(select(func.count()).select_from(Generation)),
+            "feedback": n(select(func.count()).select_from(Feedback)),
+            "open": n(select(func.count()).select_from(SessionState).where(SessionState.status != "closed")),
+            "trajectories": n(select(func.count()).select_from(Trajectory)),
+            "scored": n(select(func.count()).select_from(ScoredTrajectoryRow)
+                        .where(ScoredTrajectoryRow.reward_spec_version == spec)) if spec else 0,
+        }
+
+
+def settle(fleet: Fleet, users: Users, engine: Any, timeout_s: float) -> dict[str, Any]:
+    """Wait until the spool is drained, every received generation and accepted feedback is stored,
+    every session closed and every trajectory scored, unchanged over two polls; returns the figures."""
+    from sqlalchemy import select
+
+    from flywheel.db.models import Generation, RewardSpecRow
+
+    started = time.monotonic()
+    deadline = started + timeout_s
+    previous: dict[str, Any] | None = None
+    figures: dict[str, Any] = {}
+    received = set(users.log.received)
+    while time.monotonic() < deadline:
+        try:
+            depth = httpx.get(f"{fleet.gateway_url}/health", timeout=5).json()["capture"]
+            with engine.connect() as conn:
+                spec = conn.scalar(select(RewardSpecRow.version).order_by(RewardSpecRow.created_at).limit(1))
+                stored = {gid for (gid,) in conn.execute(select(Generation.generation_id))}
+            figures = {**_counts(engine, spec), "spool": depth.get("events"), "received_missing": len(received - stored)}
+        except Exception as exc:  # a service still recovering
+            figures = {"error": f"{type(exc).__name__}: {exc}"}
+            time.sleep(1.0)
+            continue
+        done = (figures["spool"] == 0 and figures["received_missing"] == 0 and figures["open"] == 0
+                and figures["trajectories"] == figures["scored"] and figures["trajectories"] > 0)
+        if done and figures == previous:
+            return {**figures, "settled": True, "settle_s": round(time.monotonic() - started, 1)}
+        previous = figures if done else None
+        time.sleep(1.0)
+    return {**figures, "settled": False, "settle_s": round(time.monotonic() - started, 1)}
+
+
+def converge_nodes(fleet: Fleet, watcher: NodeWatcher, registry: Any, timeout_s: float = 20.0) -> None:
+    """With the rollout controller stopped: wait until every node serves the stable version or
+    reports failed_update."""
+    stable = registry.latest("stable")
+
+    def converged() -> bool:
+        with httpx.Client(timeout=2.0) as client:
+            watcher.poll(client)
+        return all((h := watcher.last.get(n)) is not None and (h.get("version") == stable.version
+                                                              or h.get("update_status") == "failed_update")
+                   for n in NODES)
+
+    try:
+        wait_for("the nodes to converge on the stable version", converged, timeout_s, 0.5)
+    except TimeoutError as exc:
+        log.warning("%s", exc)
+
+
+def rescore(fleet: Fleet, scenario: str) -> tuple[str, str]:
+    """``flywheel rewards rescore`` under a copy of the live spec with another version; returns
+    (that version, the command's output)."""
+    spec_path = fleet.base.rewards.spec_path
+    version = f"chaos-rescore-{scenario}"[:64]
+    path = fleet.run_dir / "rescore-spec.toml"
+    path.write_text(f'extends = {json.dumps(spec_path or "default")}\nversion = "{version}"\n')
+    result = subprocess.run([sys.executable, "-m", "flywheel.cli", "--config", str(fleet.procs["rewards-1"].config),
+                             "rewards", "rescore", "--spec", str(path)], capture_output=True, text=True, timeout=600)
+    return version, (result.stdout + result.stderr).strip()[-2000:]
+
+
+def registry_for(settings: Settings, engine: Any) -> Any:
+    """The weight registry of ``settings``' model line on ``engine``."""
+    from flywheel.db.session import make_session_factory
+    from flywheel.weights.registry import Registry
+    from flywheel.weights.store import make_store
+
+    return Registry(make_session_factory(engine), make_store(settings), settings.model.line)
+
+
+def _read_rows(conn: Any) -> tuple[list[GenRow], list[FeedbackRow], list[TrajectoryRow]]:
+    """The generation, feedback and trajectory rows (what :func:`reread` reads again)."""
+    from sqlalchemy import select
+
+    from flywheel.db.models import Feedback, Generation, Trajectory
+
+    return ([GenRow(r.generation_id, r.event_id, r.session_id, r.model_version, r.node_id, r.payload)
+             for r in conn.execute(select(Generation))],
+            [FeedbackRow(r.feedback_id, r.event_id, r.session_id, r.state, r.payload)
+             for r in conn.execute(select(Feedback))],
+            [TrajectoryRow(r.trajectory_id, r.revision, r.session_id, r.tenant, r.closed_reason, r.payload)
+             for r in conn.execute(select(Trajectory).order_by(Trajectory.id))])
+
+
+def _version_row(r: Any, rebuild_error: str | None) -> VersionRow:
+    metrics = r.metrics or {}
+    return VersionRow(r.version, r.kind, r.parent, r.sha256, r.status, tuple(metrics.get("trajectory_ids") or ()),
+                      metrics.get("publish_token"), rebuild_error)
+
+
+def collect(fleet: Fleet, users: Users, watcher: NodeWatcher, engine: Any, registry: Any, rescore_spec: str,
+            expectations: list[Expectation], settled: dict[str, Any]) -> Snapshot:
+    """Read the database, the node logs and the watcher into a :class:`Snapshot`."""
+    from sqlalchemy import select
+
+    from flywheel.db.models import ModelVersion, RewardSpecRow, ScoredTrajectoryRow, SessionState, VersionTransition
+
+    with engine.connect() as conn:
+        generations, feedback, trajectories = _read_rows(conn)
+        session_status = {r.session_id: (r.status, r.revision) for r in conn.execute(select(SessionState))}
+        scored = [ScoredRow(r.trajectory_id, r.revision, r.reward_spec_version, r.payload)
+                  for r in conn.execute(select(ScoredTrajectoryRow))]
+        specs = [v for (v,) in conn.execute(select(RewardSpecRow.version).order_by(RewardSpecRow.created_at))]
+        version_rows = list(conn.execute(select(ModelVersion).where(ModelVersion.model_line == fleet.base.model.line)))
+        ever_stable = {v for (v,) in conn.execute(select(VersionTransition.version)
+                                                 .where(VersionTransition.to_status == "stable"))}
+    loaded, live = node_logs(fleet)
+    for name in NODES:
+        for version, shas in watcher.live[name].items():
+            loaded[name][version] |= shas
+            live[name].add(version)
+    served = {v for node in loaded.values() for v in node}
+    versions = []
+    for r in version_rows:
+        error = None
+        if r.version in served:
+            try:
+                registry.load(r.version)
+            except Exception as exc:  # WeightsError and anything the store raises: reported, not raised
+                error = f"{type(exc).__name__}: {exc}"[:300]
+        versions.append(_version_row(r, error))
+    live_spec = next((v for v in specs if v != rescore_spec), "")
+    return Snapshot(users.log, generations, feedback, session_status, trajectories, scored, live_spec, rescore_spec,
+                    versions, ever_stable, {n: dict(v) for n, v in loaded.items()}, live, dict(watcher.last),
+                    expectations, settled)
+
+
+def reread(s: Snapshot, database_url: str) -> None:
+    """Read the generation, feedback, trajectory and version rows of a finished scenario into ``s``
+    again (the rebuild errors stay as :func:`collect` found them)."""
+    from sqlalchemy import select
+
+    from flywheel.db.models import ModelVersion
+    from flywheel.db.session import make_engine
+
+    engine = make_engine(database_url)
+    try:
+        with engine.connect() as conn:
+            s.generations, s.feedback, s.trajectories = _read_rows(conn)
+            errors = {v.version: v.rebuild_error for v in s.versions}
+            s.versions = [_version_row(r, errors.get(r.version)) for r in conn.execute(select(ModelVersion))]
+    finally:
+        engine.dispose()

@@ -1,0 +1,414 @@
+"""The faults, and the registry of scenarios that inject them.
+
+A fault function gets a :class:`Chaos` (the services, the fleet, the proxies, the users, a seeded
+random generator and the traffic window), injects its faults at moments in the window, writes what
+it did with :meth:`Chaos.note` and what each fault must cause with :meth:`Chaos.expect` (checked as
+``fault_checks``). It returns early once the scenario ends (:meth:`Chaos.at` is False).
+"""
+
+from __future__ import annotations
+
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from chaos.collect import registry_for
+from chaos.fleet import LOADED, NODES, WORKERS, Fleet, NodeWatcher
+from chaos.invariants import Expectation
+from chaos.proxy import UpstreamFaults, UpstreamProxy
+from chaos.services import Services, SmallDisk, wait_for
+from chaos.users import Users
+
+
+class Chaos:
+    """What a fault injector works with: the services, the fleet, the proxies, the users, a seeded
+    random generator, the traffic window, and where it writes what it did and what must hold."""
+
+    def __init__(self, services: Services, fleet: Fleet, proxies: dict[str, UpstreamProxy], users: Users,
+                 watcher: NodeWatcher, seconds: float, rng: random.Random, disks: dict[str, SmallDisk]) -> None:
+        self.services, self.fleet, self.proxies = services, fleet, proxies
+        self.users, self.watcher = users, watcher
+        self.seconds, self.rng, self.disks = seconds, rng, disks
+        self.faults: list[str] = []
+        self.expectations: list[Expectation] = []
+        self.t0 = time.monotonic()
+        self.stop = threading.Event()
+
+    def at(self, fraction: float) -> bool:
+        """Sleep until ``fraction`` of the traffic window; False if the scenario is ending."""
+        return not self.stop.wait(max(0.0, self.t0 + fraction * self.seconds - time.monotonic()))
+
+    def sleep(self, seconds: float) -> bool:
+        return not self.stop.wait(seconds)
+
+    def note(self, what: str) -> None:
+        line = f"t={time.monotonic() - self.t0:5.1f}s {what}"
+        self.faults.append(line)
+        print(f"    {line}", flush=True)
+
+    def expect(self, name: str, ok: bool, detail: str) -> None:
+        self.expectations.append(Expectation(name, bool(ok), detail))
+
+    def registry(self) -> Any:
+        from flywheel.db.session import make_engine
+
+        return registry_for(self.fleet.base, make_engine(self.fleet.base.database_url))
+
+
+def _instances(role: str) -> list[str]:
+    return [name for name in ("gateway", *NODES, *WORKERS) if name == role or name.startswith(f"{role}-")]
+
+
+ROLE_TYPES = ("gateway", "node", "ingest", "rewards", "trainer", "rollout")
+
+
+def fault_none(c: Chaos) -> None:
+    """No fault: the control run."""
+
+
+def fault_kill9(c: Chaos) -> None:
+    """kill -9 one process of every role type at random moments (random order and instance), each
+    restarted after 0.2-2 s."""
+    roles = list(ROLE_TYPES)
+    c.rng.shuffle(roles)
+    moments = sorted(c.rng.uniform(0.1, 0.7) for _ in roles)
+    for role, moment in zip(roles, moments):
+        if not c.at(moment):
+            return
+        name = c.rng.choice(_instances(role))
+        down = c.rng.uniform(0.2, 2.0)
+        c.fleet.kill(name)
+        c.note(f"kill -9 {name}, restarted after {down:.1f}s")
+        c.sleep(down)
+        c.fleet.restart(name)
+
+
+def fault_sigterm(c: Chaos) -> None:
+    """SIGTERM one process of every role type under load; each must exit 0 (graceful) and is restarted."""
+    roles = list(ROLE_TYPES)
+    c.rng.shuffle(roles)
+    moments = sorted(c.rng.uniform(0.1, 0.7) for _ in roles)
+    for role, moment in zip(roles, moments):
+        if not c.at(moment):
+            return
+        name = c.rng.choice(_instances(role))
+        started = time.monotonic()
+        rc = c.fleet.term(name, timeout_s=60.0)
+        took = time.monotonic() - started
+        c.note(f"SIGTERM {name}: exit {rc} after {took:.1f}s, restarted")
+        c.expect(f"SIGTERM {name} exits 0", rc == 0, f"exit status {rc} after {took:.1f}s")
+        c.fleet.restart(name)
+
+
+def fault_broker_outage(c: Chaos) -> None:
+    """The broker unavailable under load, twice, 5 s each: frozen (SIGSTOP) and every connection to
+    it aborted (``ss -K``), so its clients' connections reset and their new ones hang unanswered;
+    then resumed (SIGCONT) with its log and group state as they were."""
+    broker = c.services.broker
+    for moment in (0.2, 0.5):
+        if not c.at(moment):
+            return
+        broker.freeze()
+        try:
+            cut = broker.cut_connections()
+            c.note(f"broker frozen (SIGSTOP), {cut} connection socket(s) aborted")
+            c.expect("the broker's connections were cut", cut > 0, f"{cut} socket(s) aborted by ss -K")
+            c.sleep(3.0)
+            try:
+                capture = httpx.get(f"{c.fleet.gateway_url}/health", timeout=5).json()["capture"]
+            except (httpx.HTTPError, ValueError, KeyError) as exc:
+                capture = {"error": str(exc)}
+            c.expect("while the broker is away the gateway spools",
+                     capture.get("bus_up") is False and capture.get("events", 0) > 0,
+                     f"capture 3 s into the outage: bus_up {capture.get('bus_up')}, {capture.get('events')} "
+                     "event(s) spooled")
+            c.sleep(2.0)
+        finally:
+            broker.thaw()
+        c.note("broker resumed (SIGCONT)")
+
+
+def fault_postgres(c: Chaos) -> None:
+    """Restart PostgreSQL under load: a clean (fast) shutdown, 3 s down; later a crash (immediate), 3 s down."""
+    for moment, mode in ((0.2, "fast"), (0.5, "immediate")):
+        if not c.at(moment):
+            return
+        c.services.postgres.stop(mode)
+        c.note(f"PostgreSQL stopped ({mode})")
+        c.sleep(3.0)
+        c.services.postgres.start()
+        c.note("PostgreSQL started again")
+
+
+def fault_redis(c: Chaos) -> None:
+    """Stop Redis (no persistence: it comes back empty) under load twice, 3 s each; the second time with SIGKILL."""
+    for moment, sig in ((0.2, signal.SIGTERM), (0.5, signal.SIGKILL)):
+        if not c.at(moment):
+            return
+        c.services.redis.stop(sig)
+        c.note(f"Redis stopped ({signal.Signals(sig).name}), its data gone")
+        c.sleep(3.0)
+        c.services.start_redis()
+        c.note("Redis started again (empty)")
+
+
+def fault_spool_full(c: Chaos) -> None:
+    """The gateway's spool disk fills up while the bus is away, as it would: the broker frozen
+    (SIGSTOP) for 3 s so the spool backs up, the disk filled to the last byte, the broker resumed
+    (the shipper ships and records its cursor on the full disk), the disk kept full for 8 s, freed."""
+    disk = c.disks["spool"]
+    if not c.at(0.25):
+        return
+    before = sum(1 for f in c.users.log.failures if f.status == 503)
+    c.services.broker.freeze()
+    try:
+        c.note("broker frozen (SIGSTOP): the spool backs up")
+        c.sleep(3.0)
+        filled = disk.fill()
+        c.note(f"spool disk full ({filled >> 20} MiB filler on a {disk.size_mb} MiB tmpfs)")
+    finally:
+        c.services.broker.thaw()
+    c.note("broker resumed")
+    disk.keep_full(8.0, c.stop)
+    disk.free()
+    c.note("spool disk freed")
+    refused = sum(1 for f in c.users.log.failures if f.status == 503) - before
+    c.expect("a full spool disk is met with 503s", refused > 0, f"{refused} request(s) answered 503 while full")
+
+
+def fault_store_full(c: Chaos) -> None:
+    """Fill the disk holding the weight store for 12 s under load (the trainer's publishes fail), then free it."""
+    disk = c.disks["store"]
+    if not c.at(0.2):
+        return
+    registry = c.registry()
+    filled = disk.fill()
+    c.note(f"weight store disk full ({filled >> 20} MiB filler on a {disk.size_mb} MiB tmpfs), kept full for 12 s")
+    stop = threading.Event()
+    keeper = threading.Thread(target=disk.keep_full, args=(12.0, stop), daemon=True)
+    keeper.start()
+    c.sleep(1.0)  # a publish that had written its object before the disk filled may still register
+    before = max((v.version for v in registry.versions()), default=0)
+    keeper.join()
+    during = max((v.version for v in registry.versions()), default=0)
+    disk.free()
+    c.note(f"weight store disk freed (newest version v{before} 1 s into the outage, v{during} at its end)")
+    trainer_log = c.fleet.procs["trainer"].log_path.read_text(errors="replace")
+    c.expect("a full store fails the publish, registers nothing", during == before and "No space left" in trainer_log,
+             f"newest version v{before} -> v{during} while full; trainer log mentions ENOSPC: "
+             f"{'No space left' in trainer_log}")
+
+
+def _damage(data: bytes, mode: str, wrong: bytes | None) -> bytes:
+    if mode == "truncate":
+        return data[: len(data) // 2]
+    if mode == "corrupt":
+        middle = len(data) // 2
+        return data[:middle] + bytes(b ^ 0xFF for b in data[middle : middle + 64]) + data[middle + 64 :]
+    assert wrong is not None
+    return wrong
+
+
+def fault_bad_delta(c: Chaos) -> None:
+    """Damage a fresh delta in the store before it rolls out, in turn: corrupted bytes, truncated,
+    and a valid delta of the same weights against the wrong parent. Each round: the rollout
+    controller frozen (SIGSTOP) until the trainer publishes the next delta, which is damaged in the
+    store; the controller resumed (it promotes it, or a newer version whose chain runs through it;
+    promoted by hand if the gates hold it back). Every node must refuse it and keep serving the
+    previous stable version, and the rollout controller, seeing every node's ``failed_update``, must
+    roll the promoted version back and restore the previous stable (a failed rollout leaves the
+    fleet on the previous stable version). Then the object is repaired, and the line must move on:
+    a later version (whose chain runs through the repaired one) promoted and served by every node."""
+    from flywheel.weights.codec import encode_delta_with_summary
+
+    registry = c.registry()
+    root = c.fleet.base.store_path
+    rollout = c.fleet.procs["rollout"]
+    for mode in ("corrupt", "truncate", "wrong_parent"):
+        if time.monotonic() > c.t0 + 0.75 * c.seconds or c.stop.is_set():
+            c.note(f"{mode}: skipped, the traffic window is over (give the scenario more --seconds)")
+            break
+        stable = registry.latest("stable")
+        previous = stable.version if stable is not None else None
+        newest = max(v.version for v in registry.versions())
+        rollout.signal(signal.SIGSTOP)
+        try:
+            target = wait_for("a new delta candidate", lambda: next(
+                (v for v in sorted(registry.versions(), key=lambda v: v.version)
+                 if v.version > newest and v.kind == "delta" and v.status == "candidate"), None), 30.0, 0.05)
+            path = root / target.store_key
+            original = path.read_bytes()
+            wrong = None
+            if mode == "wrong_parent":
+                grandparent = registry.get(target.parent).parent
+                wrong, _ = encode_delta_with_summary(registry.load(grandparent if grandparent is not None else 0),
+                                                     registry.load(target.version), new_sha256=target.sha256)
+            path.write_bytes(_damage(original, mode, wrong))
+        except TimeoutError as exc:
+            c.expect(f"{mode}: a delta to damage", False, str(exc))
+            continue
+        finally:
+            rollout.signal(signal.SIGCONT)
+        serving = {n: (c.watcher.last.get(n) or {}).get("version") for n in NODES}
+        c.note(f"v{target.version} (delta on v{target.parent}) damaged in the store: {mode}; stable is v{previous}, "
+               f"the nodes serve {serving}")
+        try:
+            promoted = wait_for(f"a version at or past v{target.version} to go stable", lambda: (
+                (s := registry.latest("stable")) is not None and s.version >= target.version and s), 8.0, 0.1)
+        except TimeoutError:  # the gates hold it back: promote it as an operator would
+            result = subprocess.run([sys.executable, "-m", "flywheel.cli", "--config", str(rollout.config), "rollout",
+                                     "promote", str(target.version), "--reason", "chaos: bad delta"],
+                                    capture_output=True, text=True, timeout=120)
+            c.note(f"v{target.version} promoted by hand (exit {result.returncode})")
+            promoted = registry.latest("stable")
+        c.note(f"v{promoted.version} is stable; its chain holds the damaged v{target.version}")
+
+        def refused() -> bool:
+            return all(any(f"version {promoted.version}" in d for _, _, d in c.watcher.failed[n]) for n in NODES)
+
+        ok_refused = True
+        try:
+            wait_for("every node to refuse the damaged version", refused, 15.0, 0.1)
+        except TimeoutError:
+            ok_refused = False
+        live = {n: (c.watcher.last.get(n) or {}).get("version") for n in NODES}
+        reasons = [c.watcher.failed[n][-1][2][:140] if c.watcher.failed[n] else None for n in NODES]
+        c.expect(f"{mode}: every node refuses v{promoted.version} and keeps serving what it served",
+                 ok_refused and live == serving,
+                 f"refused: {ok_refused}; live before {serving}, after {live}; reasons: {reasons}")
+        try:  # the controller sees every node's failed_update and restores the previous stable
+            wait_for(f"the controller to roll back v{promoted.version}",
+                     lambda: registry.get(promoted.version).status == "rolled_back", 30.0, 0.2)
+            restored = registry.latest("stable")
+            c.expect(f"{mode}: v{promoted.version} rolled back, the fleet stays on v{previous}",
+                     restored is not None and restored.version == previous and
+                     {n: (c.watcher.last.get(n) or {}).get("version") for n in NODES} == serving,
+                     f"stable v{restored.version if restored else None}, nodes at "
+                     f"{ {n: (c.watcher.last.get(n) or {}).get('version') for n in NODES} }")
+        except TimeoutError:
+            c.expect(f"{mode}: v{promoted.version} rolled back", False,
+                     f"still {registry.get(promoted.version).status}")
+        path.write_bytes(original)  # repaired: later versions whose chain runs through it can load
+        c.note(f"v{target.version} repaired in the store")
+        try:  # the line is not stuck: a later candidate is promoted and the fleet loads it
+            wait_for(f"the fleet to move past v{promoted.version}", lambda: all(
+                ((c.watcher.last.get(n) or {}).get("version") or -1) > promoted.version for n in NODES), 30.0, 0.2)
+            moved = {n: (c.watcher.last.get(n) or {}).get("version") for n in NODES}
+            c.expect(f"{mode}: repaired, the line moves on past v{promoted.version}", True, f"nodes at {moved}")
+        except TimeoutError:
+            moved = {n: (c.watcher.last.get(n) or {}).get("version") for n in NODES}
+            c.expect(f"{mode}: repaired, the line moves on past v{promoted.version}", False, f"nodes at {moved}")
+
+
+def fault_node_mid_update(c: Chaos) -> None:
+    """kill -9 a node 0-20 ms after a promotion, while it loads the new version, at every promotion
+    while the other node serves (so the fleet is never empty); each is restarted at once. Whether a
+    kill landed before the load finished is read from the node's log."""
+    from sqlalchemy import select
+
+    from flywheel.db.models import VersionTransition
+    from flywheel.db.session import make_engine
+
+    engine = make_engine(c.fleet.base.database_url)
+    hits = kills = 0
+    try:
+        def newest_stable() -> tuple[int, int | None]:
+            with engine.connect() as conn:
+                row = conn.execute(select(VersionTransition.id, VersionTransition.version)
+                                   .where(VersionTransition.to_status == "stable")
+                                   .order_by(VersionTransition.id.desc()).limit(1)).first()
+            return (row[0], row[1]) if row is not None else (0, None)
+
+        def serving(name: str) -> bool:
+            try:
+                return httpx.get(f"{c.fleet.node_url(name)}/health", timeout=1.0).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        last, _ = newest_stable()
+        turn = 0
+        while not c.stop.is_set() and time.monotonic() < c.t0 + 0.8 * c.seconds:
+            now, version = newest_stable()
+            if now == last:
+                c.sleep(0.01)
+                continue
+            last = now
+            names = list(NODES)[turn % 2 :] + list(NODES)[: turn % 2]
+            up = {n: serving(n) for n in NODES}
+            name = next((n for n in names if up[n] and all(up.values())), None)
+            if name is None:  # a node is still restarting: keep the fleet serving
+                continue
+            turn += 1
+            c.sleep(c.rng.uniform(0.0, 0.02))
+            proc = c.fleet.procs[name]
+            c.fleet.kill(name)
+            kills += 1
+            log_text = proc.log_path.read_text(errors="replace")
+            loaded = any(m.group(2) == str(version) for m in LOADED.finditer(log_text[-20000:]))
+            hits += not loaded
+            when = "after" if loaded else "before"
+            c.note(f"kill -9 {name} just after v{version} went stable ({when} it loaded v{version})")
+            c.fleet.restart(name)
+    finally:
+        engine.dispose()
+    c.expect("a node was killed mid-update", hits > 0, f"{hits} of {kills} kills landed before the load finished")
+
+
+def fault_upstream(c: Chaos) -> None:
+    """Slow upstream (20% of calls 0.5-2.5 s, 3% of calls 7 s, past the gateway's 5 s timeout),
+    upstream errors (10%: 500/502/503) and upstream disconnects mid-response (10%), on both nodes."""
+    if not c.at(0.1):
+        return
+    for proxy in c.proxies.values():
+        proxy.faults = UpstreamFaults(slow=0.2, slow_s=(0.5, 2.5), error=0.1, disconnect=0.1)
+    c.note("upstream faults on: 20% slow, 10% errors, 10% disconnects")
+    if not c.at(0.45):
+        return
+    for proxy in c.proxies.values():
+        proxy.faults = UpstreamFaults(slow=0.03, slow_s=(7.0, 7.0), error=0.1, disconnect=0.1)
+    c.note("upstream faults: 3% 7 s (past the gateway's upstream timeout), 10% errors, 10% disconnects")
+    c.at(0.8)
+    for proxy in c.proxies.values():
+        proxy.faults = UpstreamFaults()
+    counts = Counter()
+    for proxy in c.proxies.values():
+        counts.update(proxy.counts)
+    c.note(f"upstream faults off: {dict(counts)}")
+    broken = Counter(f.kind for f in c.users.log.failures)
+    c.expect("upstream faults reached the clients as errors", counts["error"] > 0 and counts["disconnect"] > 0
+             and broken["status"] + broken["stream"] > 0, f"proxy {dict(counts)}; client failures {dict(broken)}")
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    summary: str  # the faults, for the table
+    inject: Callable[[Chaos], None]
+    disks: tuple[str, ...] = ()
+    #: A traffic window at least this long, whatever ``--seconds`` says (the faults need the time).
+    min_seconds: float = 0.0
+
+
+SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
+    Scenario("baseline", "none (control)", fault_none),
+    Scenario("kill9", "kill -9 + restart, every role type", fault_kill9),
+    Scenario("sigterm", "SIGTERM + restart, every role type", fault_sigterm),
+    Scenario("broker_outage", "Kafka broker frozen, connections cut, 5 s x2", fault_broker_outage),
+    Scenario("postgres_restart", "PostgreSQL restart (fast, immediate)", fault_postgres),
+    Scenario("redis_restart", "Redis stopped/started x2 (empty)", fault_redis),
+    Scenario("spool_disk_full", "bus frozen 3 s, gateway spool disk full 8 s", fault_spool_full, disks=("spool",)),
+    Scenario("store_disk_full", "weight store disk full 12 s", fault_store_full, disks=("store",)),
+    Scenario("bad_delta", "corrupt / truncated / wrong-parent delta", fault_bad_delta, min_seconds=45.0),
+    Scenario("node_mid_update", "kill -9 node mid-update", fault_node_mid_update),
+    Scenario("upstream_faults", "slow / erroring / disconnecting upstream", fault_upstream),
+)}
+QUICK = ("kill9", "upstream_faults")
