@@ -75,38 +75,41 @@ def fault_none(c: Chaos) -> None:
     """No fault: the control run."""
 
 
-def fault_kill9(c: Chaos) -> None:
-    """kill -9 one process of every role type at random moments (random order and instance), each
-    restarted after 0.2-2 s."""
+def _each_role_type(c: Chaos, act: Callable[[str], None]) -> None:
+    """``act`` on one process (random instance) of every role type, in random order, at random
+    moments between 10% and 70% of the traffic window."""
     roles = list(ROLE_TYPES)
     c.rng.shuffle(roles)
     moments = sorted(c.rng.uniform(0.1, 0.7) for _ in roles)
     for role, moment in zip(roles, moments):
         if not c.at(moment):
             return
-        name = c.rng.choice(_instances(role))
+        act(c.rng.choice(_instances(role)))
+
+
+def fault_kill9(c: Chaos) -> None:
+    """kill -9 one process of every role type at random moments, each restarted after 0.2-2 s."""
+    def kill(name: str) -> None:
         down = c.rng.uniform(0.2, 2.0)
         c.fleet.kill(name)
         c.note(f"kill -9 {name}, restarted after {down:.1f}s")
         c.sleep(down)
         c.fleet.restart(name)
 
+    _each_role_type(c, kill)
+
 
 def fault_sigterm(c: Chaos) -> None:
     """SIGTERM one process of every role type under load; each must exit 0 (graceful) and is restarted."""
-    roles = list(ROLE_TYPES)
-    c.rng.shuffle(roles)
-    moments = sorted(c.rng.uniform(0.1, 0.7) for _ in roles)
-    for role, moment in zip(roles, moments):
-        if not c.at(moment):
-            return
-        name = c.rng.choice(_instances(role))
+    def term(name: str) -> None:
         started = time.monotonic()
         rc = c.fleet.term(name, timeout_s=60.0)
         took = time.monotonic() - started
         c.note(f"SIGTERM {name}: exit {rc} after {took:.1f}s, restarted")
         c.expect(f"SIGTERM {name} exits 0", rc == 0, f"exit status {rc} after {took:.1f}s")
         c.fleet.restart(name)
+
+    _each_role_type(c, term)
 
 
 def fault_broker_outage(c: Chaos) -> None:

@@ -87,7 +87,7 @@ from flywheel.bus import Consumer, Producer, Record, make_bus, partition_for_key
 from flywheel.bus.base import stay_in_group
 from flywheel.bus.envelope import Reassembler
 from flywheel.db.models import Feedback, Generation
-from flywheel.db.session import OutageWait, is_db_outage, make_session_factory, open_database, outage_reason
+from flywheel.db.session import OutageWait, make_session_factory, open_database
 from flywheel.events import FeedbackEvent, GenerationEvent, TrajectoryEvent
 from flywheel.health import Beat
 from flywheel.settings import Settings
@@ -446,15 +446,9 @@ def run(settings: Settings, stop: threading.Event | None = None) -> None:
                     ingestor.close_inactive({p for topic, p in assignment if topic == ingestor.generations_topic})
                 previous = assignment
             except Exception as exc:
-                if not is_db_outage(exc):
-                    raise
+                outages.ride_out("ingest", exc, lambda: (heartbeat.beat(), stay_in_group(consumer)), stop)
                 ingestor = None  # what a crash loses; the database and the bus hold the rest
                 counters["db_outages"] += 1
-                log.warning("ingest: database unreachable (%s); waiting up to %gs for it, in the consumer group",
-                            outage_reason(exc, settings.database_url), settings.db.wait_s)
-                lasted = outages.wait(exc, between=lambda: (heartbeat.beat(), stay_in_group(consumer)), stop=stop)
-                if lasted is not None:
-                    log.warning("ingest: database back after %.1fs; reading again from the committed offsets", lasted)
                 continue
             outages.turn_done()
     finally:

@@ -35,7 +35,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from flywheel.bus import Consumer, Producer, Record, make_bus
 from flywheel.bus.base import stay_in_group
-from flywheel.db.session import OutageWait, is_db_outage, make_session_factory, open_database, outage_reason
+from flywheel.db.session import OutageWait, make_session_factory, open_database
 from flywheel.events import ScoredTrajectory, TrajectoryEvent
 from flywheel.health import Beat
 from flywheel.settings import Settings
@@ -158,15 +158,9 @@ def run(settings: Settings, stop: threading.Event | None = None) -> None:
                     process(records, consumer, sessions, producer, scorer, normaliser, topic, counters, heartbeat.beat)
                     consumer.commit(records)
             except Exception as exc:
-                if not is_db_outage(exc):
-                    raise
+                outages.ride_out("rewards", exc, lambda: (heartbeat.beat(), stay_in_group(consumer)), stop)
                 normaliser = None  # it may hold rewards never committed: restored from the database instead
                 counters["db_outages"] += 1
-                log.warning("rewards: database unreachable (%s); waiting up to %gs for it, in the consumer group",
-                            outage_reason(exc, settings.database_url), settings.db.wait_s)
-                lasted = outages.wait(exc, between=lambda: (heartbeat.beat(), stay_in_group(consumer)), stop=stop)
-                if lasted is not None:
-                    log.warning("rewards: database back after %.1fs; reading again from the committed offsets", lasted)
                 continue
             outages.turn_done()
     finally:

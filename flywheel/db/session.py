@@ -21,6 +21,7 @@ Invariants:
 from __future__ import annotations
 
 import json
+import logging
 import sqlite3
 import threading
 import time
@@ -35,6 +36,8 @@ from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 from flywheel.settings import redact_url, scrub, url_secrets
+
+log = logging.getLogger(__name__)
 
 SQLITE_BUSY_TIMEOUT_S = 30.0
 PG_CONNECT_TIMEOUT_S = 10
@@ -246,6 +249,21 @@ class OutageWait:
         except DatabaseUnavailable as gone:
             raise gone from exc
         return time.monotonic() - self.since
+
+
+    def ride_out(self, role: str, exc: BaseException, between: Callable[[], object] | None = None,
+                 stop: threading.Event | None = None) -> None:
+        """A worker loop's ``except`` clause: re-raise ``exc`` unless :func:`is_db_outage` accepts
+        it; else log, :meth:`wait` (``between`` keeps the worker alive meanwhile: its health beat,
+        its consumer group) and log when the database is back. The caller then drops what a crash
+        would lose and reads again from its committed offsets."""
+        if not is_db_outage(exc):
+            raise exc
+        log.warning("%s: database unreachable (%s); waiting up to %gs for it, in the consumer group",
+                    role, outage_reason(exc, self.url), self.timeout_s)
+        lasted = self.wait(exc, between, stop)
+        if lasted is not None:
+            log.warning("%s: database back after %.1fs; reading again from the committed offsets", role, lasted)
 
 
 class _Stopped(Exception):

@@ -45,13 +45,12 @@ import httpx
 import pytest
 from sqlalchemy import func, inspect, select, text
 
-from flywheel.bus import make_bus
 from flywheel.db.models import ApiKey, Feedback, Generation, ModelVersion, Trajectory, VersionTransition
 from flywheel.db.session import make_engine, make_session_factory, upgrade
 from flywheel.events import FeedbackEvent, GenerationEvent
 from flywheel.keys import create_key
 from flywheel.settings import Settings, load_settings
-from tests.fixtures.roles import RoleThread, free_port, wait_until
+from tests.fixtures.roles import RoleThread, drain_capture, free_port, wait_until
 from tests.integration.test_store_s3 import BUCKET, s3, s3_endpoint  # noqa: F401  (moto fixtures)
 from tests.integration.test_tenancy_attacks import VersionEchoUpstream, _upstream
 
@@ -107,19 +106,7 @@ class Stack:
     def drain(self) -> dict[str, list[bytes]]:
         """Everything on the bus once the gateway's spool has shipped what it holds."""
         with self.client("admin") as admin:
-            wait_until("the spool to ship", lambda: admin.get("/admin/capture").json()["events"] == 0, timeout_s=30)
-        topics = [self.settings.topic("generations"), self.settings.topic("feedback")]
-        bus = make_bus(self.settings)
-        consumer = bus.consumer(f"check-{uuid.uuid4().hex[:8]}", topics)
-        seen: dict[str, list[bytes]] = {t: [] for t in topics}
-        try:
-            for _ in range(3):
-                for record in consumer.poll(timeout_s=0.2, max_records=5000):
-                    seen[record.topic].append(record.value)
-        finally:
-            consumer.close()
-            bus.close()
-        return seen
+            return drain_capture(admin, self.settings)
 
     def assert_intact(self) -> None:
         """Every table is still there, the keys still work, the line still has its ten versions."""

@@ -19,7 +19,6 @@ import httpx
 import pytest
 
 from bench.upstream import CannedUpstream
-from flywheel.bus import make_bus
 from flywheel.db.models import Generation, ModelVersion
 from flywheel.db.session import make_engine, make_session_factory, upgrade
 from flywheel.events import FeedbackEvent, GenerationEvent
@@ -27,7 +26,7 @@ from flywheel.keys import create_key, revoke_key
 from flywheel.settings import Settings, load_settings
 from serving.gateway.app import create_app
 from serving.server import bind, serve
-from tests.fixtures.roles import free_port, wait_until
+from tests.fixtures.roles import drain_capture, free_port, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -105,19 +104,7 @@ class Env:
     def drain(self) -> dict[str, list[bytes]]:
         """Everything on the bus once the gateway's spool has shipped what it holds."""
         with self.as_("admin") as admin:
-            wait_until("the spool to ship", lambda: admin.get("/admin/capture").json()["events"] == 0, timeout_s=30)
-        topics = [self.settings.topic("generations"), self.settings.topic("feedback")]
-        bus = make_bus(self.settings)
-        consumer = bus.consumer(f"check-{uuid.uuid4().hex[:8]}", topics)
-        seen: dict[str, list[bytes]] = {t: [] for t in topics}
-        try:
-            for _ in range(3):
-                for record in consumer.poll(timeout_s=0.2, max_records=1000):
-                    seen[record.topic].append(record.value)
-        finally:
-            consumer.close()
-            bus.close()
-        return seen
+            return drain_capture(admin, self.settings)
 
     def feedback_events(self) -> list[FeedbackEvent]:
         return [FeedbackEvent.from_bytes(v) for v in self.drain()[self.settings.topic("feedback")]]
