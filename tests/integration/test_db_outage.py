@@ -38,12 +38,12 @@ from flywheel.db.models import Generation, ScoredTrajectoryRow
 from flywheel.db.session import (
     DatabaseUnavailable, OutageWait, is_db_outage, make_engine, outage_reason, upgrade,
 )
-from flywheel.events import GenerationEvent, ScoredTrajectory
+from flywheel.events import GenerationEvent
 from flywheel.settings import Settings, load_settings
 from ingest.assemble import assemble
 from tests.fixtures.kafka import kafka_test_settings, local_test_settings
 from tests.fixtures.traffic import (
-    FAST_KAFKA_GROUPS, RoleProcess, check_pipeline, count, make_traffic, produce, read_topic, settled, wait_for,
+    FAST_KAFKA_GROUPS, RoleProcess, check_pipeline, count, make_traffic, produce, scored_on_bus, settled, wait_for,
     write_config,
 )
 
@@ -239,15 +239,7 @@ def test_rewards_rides_out_a_database_outage_in_its_group(outage_stack: Settings
     unreachable, back = outage_logged(worker)
     assert unreachable >= 1 and back == unreachable, worker.log_tail()
     assert sorted(r.trajectory_id for r in scored) == sorted(t.trajectory_id for t in trajectories)  # each once
-    payloads = {r.event_id: ScoredTrajectory.model_validate(r.payload) for r in scored}
-    on_bus: dict[str, bytes] = {}
-    redelivered = 0
-    for record in read_topic(settings, settings.topic("scored")):
-        event_id = ScoredTrajectory.from_bytes(record.value).event_id
-        assert record.value == payloads[event_id].to_bytes(), "a produced score differs from the stored one"
-        redelivered += event_id in on_bus
-        on_bus[event_id] = record.value
-    assert set(on_bus) == {e for e, s in payloads.items() if not s.held_out}
+    redelivered = scored_on_bus(settings, scored)
     print(f"rewards: outage of {OUTAGE_S:g}s cut a batch with {left} of {len(trajectories)} trajectories waiting; "
           f"{len(scored)} scored once, {redelivered} byte-identical redeliveries")
 
