@@ -12,7 +12,9 @@ One ``flywheel chaos`` run starts its own services and, per scenario, its own fl
   --config FILE ROLE``, supervised like ``flywheel up`` does (a process that exits on its own is
   restarted with backoff and counted as a crash).
 - **traffic** (:mod:`chaos.users`): simulated users (``flywheel.simusers``' behaviour) over HTTP, a
-  third of the requests streamed, feedback retried until the gateway accepts it.
+  third of the requests streamed, feedback retried until the gateway accepts it; the gateway runs
+  with ``auth = "on"``, each user with a tenant key, the harness with an admin key
+  (:class:`chaos.fleet.ApiKeys`, created in the scenario's database before the fleet starts).
 
 A scenario (:mod:`chaos.run`): start the fleet -> traffic for ``seconds`` while its faults
 (:mod:`chaos.faults`) are injected -> heal -> settle (the spool drained, every session closed,

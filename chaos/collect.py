@@ -13,6 +13,7 @@ import logging
 import subprocess
 import sys
 import time
+from datetime import UTC, datetime
 from typing import Any
 
 import httpx
@@ -59,7 +60,7 @@ def settle(fleet: Fleet, users: Users, engine: Any, timeout_s: float) -> dict[st
     received = set(users.log.received)
     while time.monotonic() < deadline:
         try:
-            depth = httpx.get(f"{fleet.gateway_url}/health", timeout=5).json()["capture"]
+            depth = fleet.capture()
             with engine.connect() as conn:
                 spec = conn.scalar(select(RewardSpecRow.version).order_by(RewardSpecRow.created_at).limit(1))
                 stored = {gid for (gid,) in conn.execute(select(Generation.generation_id))}
@@ -122,12 +123,16 @@ def _read_rows(conn: Any) -> tuple[list[GenRow], list[FeedbackRow], list[Traject
 
     from flywheel.db.models import Feedback, Generation, Trajectory
 
-    return ([GenRow(r.generation_id, r.event_id, r.session_id, r.model_version, r.node_id, r.payload)
+    return ([GenRow(r.generation_id, r.event_id, r.session_id, r.model_version, r.node_id, r.payload, _utc(r.ts))
              for r in conn.execute(select(Generation))],
             [FeedbackRow(r.feedback_id, r.event_id, r.session_id, r.state, r.payload)
              for r in conn.execute(select(Feedback))],
             [TrajectoryRow(r.trajectory_id, r.revision, r.session_id, r.tenant, r.closed_reason, r.payload)
              for r in conn.execute(select(Trajectory).order_by(Trajectory.id))])
+
+
+def _utc(value: datetime) -> datetime:
+    return value if value.tzinfo is not None else value.replace(tzinfo=UTC)
 
 
 def _version_row(r: Any, rebuild_error: str | None) -> VersionRow:
@@ -152,6 +157,11 @@ def collect(fleet: Fleet, users: Users, watcher: NodeWatcher, engine: Any, regis
         version_rows = list(conn.execute(select(ModelVersion).where(ModelVersion.model_line == fleet.base.model.line)))
         ever_stable = {v for (v,) in conn.execute(select(VersionTransition.version)
                                                  .where(VersionTransition.to_status == "stable"))}
+        promoted_at: dict[int, datetime] = {}
+        for version, at in conn.execute(select(VersionTransition.version, VersionTransition.at)
+                                        .where(VersionTransition.model_line == fleet.base.model.line,
+                                               VersionTransition.to_status.in_(("canary", "stable")))):
+            promoted_at[version] = min(promoted_at.get(version, _utc(at)), _utc(at))
     loaded, live = node_logs(fleet)
     for name in NODES:
         for version, shas in watcher.live[name].items():
@@ -169,8 +179,8 @@ def collect(fleet: Fleet, users: Users, watcher: NodeWatcher, engine: Any, regis
         versions.append(_version_row(r, error))
     live_spec = next((v for v in specs if v != rescore_spec), "")
     return Snapshot(users.log, generations, feedback, session_status, trajectories, scored, live_spec, rescore_spec,
-                    versions, ever_stable, {n: dict(v) for n, v in loaded.items()}, live, dict(watcher.last),
-                    expectations, settled)
+                    versions, ever_stable, promoted_at, {n: dict(v) for n, v in loaded.items()}, live,
+                    dict(watcher.last), expectations, settled)
 
 
 def reread(s: Snapshot, database_url: str) -> None:

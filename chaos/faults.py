@@ -16,7 +16,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -127,8 +127,8 @@ def fault_broker_outage(c: Chaos) -> None:
             c.expect("the broker's connections were cut", cut > 0, f"{cut} socket(s) aborted by ss -K")
             c.sleep(3.0)
             try:
-                capture = httpx.get(f"{c.fleet.gateway_url}/health", timeout=5).json()["capture"]
-            except (httpx.HTTPError, ValueError, KeyError) as exc:
+                capture = c.fleet.capture()
+            except (httpx.HTTPError, ValueError) as exc:
                 capture = {"error": str(exc)}
             c.expect("while the broker is away the gateway spools",
                      capture.get("bus_up") is False and capture.get("events", 0) > 0,
@@ -244,6 +244,9 @@ def fault_bad_delta(c: Chaos) -> None:
         previous = stable.version if stable is not None else None
         newest = max(v.version for v in registry.versions())
         rollout.signal(signal.SIGSTOP)
+        if registry.latest("canary") is not None:  # it started one meanwhile: wait for its verdict
+            rollout.signal(signal.SIGCONT)
+            continue
         try:
             target = wait_for("a new delta candidate", lambda: next(
                 (v for v in sorted(registry.versions(), key=lambda v: v.version)
@@ -310,6 +313,162 @@ def fault_bad_delta(c: Chaos) -> None:
         except TimeoutError:
             moved = {n: (c.watcher.last.get(n) or {}).get("version") for n in NODES}
             c.expect(f"{mode}: repaired, the line moves on past v{promoted.version}", False, f"nodes at {moved}")
+
+
+#: ``bad_canary``'s rollout: half of new sessions go to a canary, judged after 4 s on 5 generations
+#: each (minutes and hundreds in production), so verdicts come within the traffic window.
+CANARY_SETTINGS: dict[str, Any] = {"rollout": {"canary_fraction": 0.5, "window_s": 4.0, "min_samples": 5}}
+
+
+def _first(transitions: list[dict[str, Any]], status: str, above: int) -> dict[str, Any] | None:
+    """The first transition of a version above ``above`` to ``status``, if any."""
+    return next((t for t in transitions if t["version"] > above and t["to_status"] == status), None)
+
+
+def _canary_promoted(c: Chaos, registry: Any, above: int, timeout_s: float, what: str) -> int | None:
+    """Wait for a version above ``above`` to go canary -> stable (the canary path, with the clients
+    it served while canary counted) and every node to serve it live; expectations say how it went."""
+    promoted: dict[str, Any] = {}
+
+    def through_canary() -> bool:
+        transitions = registry.transitions()
+        for t in transitions:
+            if t["version"] > above and t["to_status"] == "stable" and t["from_status"] == "canary":
+                promoted.update(t, served=sum(r.version == t["version"] for r in list(c.users.log.received.values())))
+                return True
+        return False
+
+    try:
+        wait_for(f"{what}: a canary above v{above} promoted", through_canary, timeout_s, 0.2)
+    except TimeoutError:
+        c.expect(f"{what}: a canary above v{above} promoted to stable", False,
+                 f"none in {timeout_s:.0f}s; versions {[(v.version, v.status) for v in registry.versions()][-6:]}")
+        return None
+    version = promoted["version"]
+    c.note(f"v{version} promoted from canary ({promoted['served']} response(s) served by it so far): "
+           f"{promoted['reason'][:160]}")
+    try:
+        wait_for(f"every node to serve v{version}", lambda: all(
+            ((c.watcher.last.get(n) or {}).get("version") or -1) >= version for n in NODES), 20.0, 0.2)
+        ok = True
+    except TimeoutError:
+        ok = False
+    live = {n: (c.watcher.last.get(n) or {}).get("version") for n in NODES}
+    c.expect(f"{what}: v{version} went canary -> stable, served to clients as canary, then by every node",
+             ok and promoted["served"] > 0, f"{promoted['served']} response(s) from v{version} when promoted; "
+             f"nodes at {live}")
+    return version
+
+
+def fault_bad_canary(c: Chaos) -> None:
+    """A canary no node can load. First a good canary goes the canary path (half of new sessions,
+    judged, promoted, every node serving it). Then the rollout controller frozen (SIGSTOP) until
+    the trainer publishes the next delta, which is corrupted in the store; resumed, it makes that
+    version (or a newer one whose chain runs through it) a canary, never stable. Every node must
+    refuse it (``failed_update``) and keep serving the stable version; the controller must roll the
+    canary back (every fresh node reports it failed, or it served nothing for ``window_s``) with
+    stable untouched; no client is served by a damaged version. Then the object is repaired, and
+    the line must move on: a later version canaried, promoted and served by every node."""
+    registry = c.registry()
+    root = c.fleet.base.store_path
+    rollout = c.fleet.procs["rollout"]
+
+    def live() -> dict[str, int | None]:
+        return {n: (c.watcher.last.get(n) or {}).get("version") for n in NODES}
+
+    if not c.at(0.05):
+        return
+    good = _canary_promoted(c, registry, 0, 0.4 * c.seconds, "good canary")
+    target = canary = None
+    for _ in range(3):
+        if time.monotonic() > c.t0 + 0.55 * c.seconds or c.stop.is_set():
+            break
+        try:  # start from no running canary, so the damaged one is the next canary
+            wait_for("no canary running", lambda: registry.latest("canary") is None, 15.0, 0.1)
+        except TimeoutError:
+            pass
+        newest = max(v.version for v in registry.versions())
+        rollout.signal(signal.SIGSTOP)
+        if registry.latest("canary") is not None:  # it started one meanwhile: wait for its verdict
+            rollout.signal(signal.SIGCONT)
+            continue
+        try:
+            target = wait_for("a new delta candidate", lambda: next(
+                (v for v in sorted(registry.versions(), key=lambda v: v.version)
+                 if v.version > newest and v.kind == "delta" and v.status == "candidate"), None), 30.0, 0.05)
+            path = root / target.store_key
+            original = path.read_bytes()
+            path.write_bytes(_damage(original, "corrupt", None))
+            stable = registry.latest("stable")
+        except TimeoutError as exc:
+            c.expect("bad canary: a delta to damage", False, str(exc))
+            return
+        finally:
+            rollout.signal(signal.SIGCONT)
+        previous = stable.version if stable else None
+        c.note(f"v{target.version} (delta on v{target.parent}) corrupted in the store; stable is v{previous}, "
+               f"the nodes serve {live()}")
+        try:
+            started = wait_for(f"a version at or past v{target.version} to go canary",
+                               lambda: _first(registry.transitions(), "canary", target.version - 1), 20.0, 0.1)
+        except TimeoutError:
+            went = [(t["version"], t["to_status"]) for t in registry.transitions() if t["version"] >= target.version]
+            c.expect("bad canary: the damaged version becomes a canary", False, f"transitions {went}")
+            path.write_bytes(original)
+            return
+        canary = started["version"]
+        chain, v = [], canary
+        while v is not None and v >= target.version:
+            chain.append(v)
+            v = registry.get(v).parent
+        if target.version not in chain:  # a full version: loads without the damaged delta; try again
+            c.note(f"v{canary} is a canary but its chain {chain} skips v{target.version}; again")
+            path.write_bytes(original)
+            canary = None
+            continue
+        c.note(f"v{canary} is a canary; its chain holds the damaged v{target.version}")
+
+        def refused() -> bool:
+            return all(any(f"version {canary}:" in d for _, _, d in c.watcher.failed[n]) for n in NODES)
+
+        def on_stable() -> bool:
+            return all(v == previous for v in live().values())
+
+        try:
+            wait_for(f"every node to refuse v{canary}", lambda: refused() and on_stable(), 15.0, 0.1)
+            ok = True
+        except TimeoutError:
+            ok = False
+        reasons = [c.watcher.failed[n][-1][2][:120] if c.watcher.failed[n] else None for n in NODES]
+        c.expect(f"bad canary: every node refuses v{canary} and keeps serving stable v{previous}", ok,
+                 f"refused: {refused()}; nodes at {live()}; reasons: {reasons}")
+        try:
+            wait_for(f"the controller to roll back canary v{canary}",
+                     lambda: registry.get(canary).status == "rolled_back", 30.0, 0.1)
+            why = next((t["reason"] for t in registry.transitions(canary) if t["to_status"] == "rolled_back"), "")
+            went = [t["to_status"] for t in registry.transitions(canary)]
+            restored = registry.latest("stable")
+            c.note(f"canary v{canary} rolled back: {why[:160]}")
+            c.expect(f"bad canary: v{canary} rolled back (never stable), stable v{previous} untouched, the fleet on it",
+                     "stable" not in went and restored is not None and restored.version == previous
+                     and on_stable(), f"transitions {went}; stable v{restored.version if restored else None}; "
+                     f"nodes at {live()}; reason: {why[:200]}")
+        except TimeoutError:
+            c.expect(f"bad canary: v{canary} rolled back", False, f"still {registry.get(canary).status}")
+        path.write_bytes(original)
+        c.note(f"v{target.version} repaired in the store")
+        break
+    if canary is None:
+        c.expect("bad canary: a damaged version became a canary", False,
+                 "not injected: the traffic window was over (give the scenario more --seconds)")
+        return
+    _canary_promoted(c, registry, canary, 45.0, "after the repair")
+    c.stop.wait()  # the users have stopped: the client log is whole
+    assert target is not None
+    damaged = range(target.version, canary + 1)
+    served = Counter(r.version for r in list(c.users.log.received.values()) if r.version in damaged)
+    c.expect(f"no client served by a damaged version (v{target.version}..v{canary})", not served,
+             f"responses naming them: {dict(served) or 'none'}; good canary v{good}")
 
 
 def fault_node_mid_update(c: Chaos) -> None:
@@ -399,6 +558,8 @@ class Scenario:
     disks: tuple[str, ...] = ()
     #: A traffic window at least this long, whatever ``--seconds`` says (the faults need the time).
     min_seconds: float = 0.0
+    #: Settings of this scenario's fleet, on top of ``chaos.fleet.CHAOS_OVERRIDES``.
+    settings: dict[str, Any] = field(default_factory=dict)
 
 
 SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
@@ -411,6 +572,8 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
     Scenario("spool_disk_full", "bus frozen 3 s, gateway spool disk full 8 s", fault_spool_full, disks=("spool",)),
     Scenario("store_disk_full", "weight store disk full 12 s", fault_store_full, disks=("store",)),
     Scenario("bad_delta", "corrupt / truncated / wrong-parent delta", fault_bad_delta, min_seconds=45.0),
+    Scenario("bad_canary", "good canary promoted; corrupt canary rolled back", fault_bad_canary, min_seconds=60.0,
+             settings=CANARY_SETTINGS),
     Scenario("node_mid_update", "kill -9 node mid-update", fault_node_mid_update),
     Scenario("upstream_faults", "slow / erroring / disconnecting upstream", fault_upstream),
 )}

@@ -5,7 +5,9 @@ fault-injecting :class:`~chaos.proxy.UpstreamProxy` named as its ``node.url``), 
 rewards workers, the trainer and the rollout controller: each ``python -m flywheel.cli --config FILE
 ROLE`` with its own settings file and log. The supervisor restarts a process that exits on its own
 with backoff and counts it as a crash, as ``flywheel up`` does; a fault that stops a process on
-purpose says so first (``wanted``), and its exit is recorded as what it was.
+purpose says so first (``wanted``), and its exit is recorded as what it was. :class:`ApiKeys` are
+the scenario's API keys (the gateway runs with ``auth = "on"``); :meth:`Fleet.capture` reads the
+gateway's capture depth with the admin key.
 """
 
 from __future__ import annotations
@@ -44,7 +46,8 @@ CHAOS_OVERRIDES: dict[str, Any] = {
     "store": {"kind": "folder", "cache_path": ""},
     # reject: a full or unwritable spool answers 503 before the upstream is called; with "drop" the
     # gateway serves and counts the lost event, which breaks `captured` by design.
-    "gateway": {"host": "127.0.0.1", "upstream": "", "auth": "off", "spool_full": "reject", "ship_timeout_s": 2.0,
+    # auth on: users send tenant keys, the harness reads the capture depth with an admin key.
+    "gateway": {"host": "127.0.0.1", "upstream": "", "auth": "on", "spool_full": "reject", "ship_timeout_s": 2.0,
                 "drain_timeout_s": 10.0, "upstream_timeout_s": 5.0},
     "node": {"host": "127.0.0.1", "poll_s": 0.5, "max_new_tokens": 16, "keep_versions": 4},
     "ingest": {"inactivity_timeout_s": 3.0, "orphan_timeout_s": 30.0},
@@ -59,6 +62,33 @@ class Exit:
     t: float
     rc: int | None
     how: str  # "crash" (on its own), "kill" (SIGKILL), "term" (SIGTERM), "stop" (end of scenario)
+
+
+@dataclass(frozen=True)
+class ApiKeys:
+    """The keys of a scenario with ``gateway.auth = "on"``: one admin key, tenant keys for the users."""
+
+    admin: str
+    tenants: tuple[tuple[str, str], ...]  # (tenant, key), one per user
+
+    @classmethod
+    def create(cls, settings: Settings, users: int, tenants: tuple[str, ...] = ("acme", "globex")) -> ApiKeys:
+        """Store the keys in ``settings``' database (``flywheel.keys.create_key``, as ``flywheel keys
+        create`` does): an admin key, and one key per user, the users spread over ``tenants``."""
+        from flywheel.db.session import make_engine, make_session_factory
+        from flywheel.keys import create_key
+
+        engine = make_engine(settings.database_url)
+        try:
+            sessions = make_session_factory(engine)
+            _, admin = create_key(sessions, "chaos-ops", name="chaos harness", role="admin")
+            keys = []
+            for i in range(users):
+                tenant = tenants[i % len(tenants)]
+                keys.append((tenant, create_key(sessions, tenant, name=f"chaos user {i}")[1]))
+            return cls(admin, tuple(keys))
+        finally:
+            engine.dispose()
 
 
 class RoleProcess:
@@ -121,8 +151,10 @@ class RoleProcess:
 class Fleet:
     """Every role process of one scenario, their settings files and their supervisor."""
 
-    def __init__(self, base: Settings, run_dir: Path, proxies: dict[str, UpstreamProxy]) -> None:
+    def __init__(self, base: Settings, run_dir: Path, proxies: dict[str, UpstreamProxy],
+                 keys: ApiKeys | None = None) -> None:
         self.base = base
+        self.keys = keys
         self.run_dir = run_dir
         self.log_dir = run_dir / "logs"
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -151,6 +183,16 @@ class Fleet:
     def gateway_url(self) -> str:
         g = self.base.gateway
         return f"http://{g.host}:{g.port}"
+
+    @property
+    def admin_headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.keys.admin}"} if self.keys is not None else {}
+
+    def capture(self, timeout_s: float = 5.0) -> dict[str, Any]:
+        """The gateway's capture depth (``/admin/capture``: an admin key with auth on, loopback without)."""
+        r = httpx.get(f"{self.gateway_url}/admin/capture", headers=self.admin_headers, timeout=timeout_s)
+        r.raise_for_status()
+        return r.json()
 
     def node_url(self, name: str) -> str:
         return f"http://127.0.0.1:{self.node_ports[name]}"

@@ -12,8 +12,10 @@
   one; ``flywheel rewards rescore`` under a copy of the live spec gives the same rewards.
 - ``weights_verified``: every version a node loaded is registered, has the registry's sha256 and
   still rebuilds to it from the store; every generation names a version its node had loaded.
-- ``rollout_safe``: every version a node served live had been promoted to stable; at the end each
-  node serves the stable version, or reports ``failed_update`` and serves an earlier stable one.
+- ``rollout_safe``: every version a node served live had been promoted to stable; every generation
+  names a version that had been made canary or stable before it was served (a canary serves its
+  share of sessions without being a node's live version); at the end each node serves the stable
+  version, or reports ``failed_update`` and serves an earlier stable one.
 - ``trainer_exactly_once``: no version published twice from one checkpoint, no trajectory in the
   ``trajectory_ids`` of two versions, none trained that is unknown or held out, no fork.
 - ``recovered``: once the faults were healed, the system caught up within the settle timeout.
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 from chaos.fleet import NODES
@@ -54,6 +57,7 @@ class GenRow:
     model_version: int
     node_id: str
     payload: dict[str, Any]
+    ts: datetime | None = None  # when it was served (UTC)
 
 
 @dataclass(frozen=True)
@@ -109,6 +113,8 @@ class Snapshot:
     rescore_spec: str
     versions: list[VersionRow]
     ever_stable: set[int]
+    #: version -> when it first became canary or stable (UTC): from then on it may serve sessions.
+    promoted_at: dict[int, datetime]
     node_loaded: dict[str, dict[int, set[str]]]  # node -> version -> sha256s (or 12-char prefixes) seen
     node_live: dict[str, set[int]]  # node -> versions it served as its live version
     node_final: dict[str, dict[str, Any]]  # node -> its /health at the end
@@ -281,6 +287,11 @@ def check_rollout(s: Snapshot) -> InvariantResult:
     stable = max((v.version for v in s.versions if v.status == "stable"), default=None)
     never_stable = {node: sorted(v for v in live if v not in s.ever_stable) for node, live in s.node_live.items()}
     never_stable = {n: v for n, v in never_stable.items() if v}
+    # A generation may name a canary (the node holds it beside its live version), but only one the
+    # controller had made canary (or stable) before it was served.
+    early: Counter[int] = Counter(g.model_version for g in s.generations
+                                  if g.model_version not in s.promoted_at
+                                  or (g.ts is not None and g.ts < s.promoted_at[g.model_version]))
     final_bad = {}
     for node, health in s.node_final.items():
         version, status = health.get("version"), health.get("update_status")
@@ -290,10 +301,12 @@ def check_rollout(s: Snapshot) -> InvariantResult:
             continue
         final_bad[node] = f"v{version} ({status}) while v{stable} is stable"
     missing = [n for n in NODES if n not in s.node_final]
-    ok = not never_stable and not final_bad and not missing
+    ok = not never_stable and not early and not final_bad and not missing
+    canaried = sorted({g.model_version for g in s.generations} - s.ever_stable)
     detail = (f"stable v{stable}; nodes end on {({n: h.get('version') for n, h in s.node_final.items()})}; "
-              f"live versions never promoted: {never_stable or 'none'}; off stable: {final_bad or 'none'}"
-              + (f"; no final health from {missing}" if missing else ""))
+              f"live versions never promoted: {never_stable or 'none'}; generations of a version not yet canary or "
+              f"stable: {dict(early) or 'none'} (served as canary only: {canaried or 'none'}); "
+              f"off stable: {final_bad or 'none'}" + (f"; no final health from {missing}" if missing else ""))
     return InvariantResult("rollout_safe", ok, detail)
 
 

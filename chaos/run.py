@@ -20,10 +20,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 from chaos.collect import collect, converge_nodes, registry_for, reread, rescore, settle
 from chaos.diagnose import diagnose, probe_groups
 from chaos.faults import QUICK, SCENARIOS, Chaos, Scenario
-from chaos.fleet import CHAOS_OVERRIDES, NODES, Fleet, NodeWatcher
+from chaos.fleet import CHAOS_OVERRIDES, NODES, ApiKeys, Fleet, NodeWatcher
 from chaos.invariants import InvariantResult, Snapshot, check, lost_items
 from chaos.proxy import UpstreamFaults, UpstreamProxy
 from chaos.report import ScenarioResult, format_details, format_table
@@ -94,12 +96,13 @@ class ChaosRun:
     def __exit__(self, *exc: Any) -> None:
         self.services.close(self.keep)
 
-    def base_settings(self, name: str, run_dir: Path, store_dir: Path | None, spool_dir: Path | None) -> Settings:
+    def base_settings(self, name: str, run_dir: Path, store_dir: Path | None, spool_dir: Path | None,
+                      overrides: dict[str, Any] | None = None) -> Settings:
         self.index += 1
         token = uuid.uuid4().hex[:8]
         database = f"chaos_{self.index}_{name}_{token}"[:60]
         db_url = self.services.postgres.create_database(database)
-        merged = _deep_merge(self.settings.model_dump(), CHAOS_OVERRIDES)
+        merged = _deep_merge(_deep_merge(self.settings.model_dump(), CHAOS_OVERRIDES), overrides or {})
         merged = _deep_merge(merged, {
             "data_dir": str(run_dir),
             "bus": {"bootstrap_servers": self.services.broker.bootstrap, "topic_prefix": f"chaos{self.index}-{token}."},
@@ -130,13 +133,14 @@ class ChaosRun:
                 disks[disk].mount()
             spool_dir = disks["spool"].path / "spool" if "spool" in disks else None
             store_dir = disks["store"].path / "weights" if "store" in disks else None
-            base = self.base_settings(name, run_dir, store_dir, spool_dir)
+            base = self.base_settings(name, run_dir, store_dir, spool_dir, spec.settings)
             database_url = base.database_url
             from flywheel.up import prepare
 
             base = prepare(base)
+            keys = ApiKeys.create(base, users) if base.gateway.auth == "on" else None
             proxies = {n: UpstreamProxy(n, seed + i) for i, n in enumerate(NODES)}
-            fleet = Fleet(base, run_dir, proxies)
+            fleet = Fleet(base, run_dir, proxies, keys)
             for n, proxy in proxies.items():
                 proxy.start(fleet.node_url(n))
             print(f"  [{name}] starting the fleet ({len(fleet.procs)} processes) in {run_dir}", flush=True)
@@ -177,8 +181,11 @@ class ChaosRun:
         base = fleet.base
         watcher = NodeWatcher(fleet)
         watcher.start()
-        users = Users(fleet.gateway_url, base.model.line, n_users, seed, max_tokens=base.node.max_new_tokens)
+        users = Users(fleet.gateway_url, base.model.line, n_users, seed, max_tokens=base.node.max_new_tokens,
+                      keys=tuple(key for _, key in fleet.keys.tenants) if fleet.keys is not None else ())
         chaos = Chaos(self.services, fleet, proxies, users, watcher, seconds, random.Random(seed), disks)
+        if fleet.keys is not None:
+            check_auth(chaos)
         print(f"  [{spec.name}] traffic for {seconds:g}s, {n_users} users; faults: {spec.summary}", flush=True)
         users.start()
         injector = threading.Thread(target=self._inject, args=(spec, chaos), name="chaos-injector", daemon=True)
@@ -225,6 +232,26 @@ class ChaosRun:
         except Exception as exc:  # a fault that could not be injected is a failed expectation
             log.exception("injecting %s", spec.name)
             chaos.expect(f"inject {spec.name}", False, f"{type(exc).__name__}: {exc}")
+
+
+def check_auth(c: Chaos) -> None:
+    """With ``gateway.auth = "on"``, before the traffic: a completion without a key is refused
+    (401), a tenant key does not reach an admin route (403), the admin key does (200)."""
+    assert c.fleet.keys is not None
+    body = {"model": c.fleet.base.model.line, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    tenant = {"Authorization": f"Bearer {c.fleet.keys.tenants[0][1]}"}
+    url = c.fleet.gateway_url
+    try:
+        got = (httpx.post(f"{url}/v1/chat/completions", json=body, timeout=10).status_code,
+               httpx.get(f"{url}/admin/capture", headers=tenant, timeout=10).status_code,
+               httpx.get(f"{url}/admin/capture", headers=c.fleet.admin_headers, timeout=10).status_code)
+    except httpx.HTTPError as exc:
+        c.expect("auth on: keys are checked", False, f"{type(exc).__name__}: {exc}")
+        return
+    tenants = sorted({t for t, _ in c.fleet.keys.tenants})
+    c.expect("auth on: keys are checked", got == (401, 403, 200),
+             f"no key on a completion {got[0]}, a tenant key on /admin/capture {got[1]}, the admin key {got[2]} "
+             f"(want 401, 403, 200); users on tenants {tenants}")
 
 
 def recheck(outcome: Outcome) -> list[InvariantResult]:

@@ -1,9 +1,10 @@
 """Simulated users over HTTP, and the client's log the invariants are checked against.
 
 Each user holds one session after another (the reactions of :func:`flywheel.simusers.react`), a
-third of the completions streamed. A response counts as received when it is a 200 with its
-generation header (a stream: once ``data: [DONE]`` arrived); feedback is retried until the gateway
-accepts it (202), its ids making retries safe. Everything else is a :class:`Failure`.
+third of the completions streamed, each user sending its own API key when the gateway runs with
+auth on. A response counts as received when it is a 200 with its generation header (a stream: once
+``data: [DONE]`` arrived); feedback is retried until the gateway accepts it (202), its ids making
+retries safe. Everything else is a :class:`Failure`.
 """
 
 from __future__ import annotations
@@ -69,8 +70,10 @@ class Users:
     of :func:`flywheel.simusers.react`; a third of requests streamed; ``think_s`` between calls)."""
 
     def __init__(self, gateway: str, model_line: str, n: int, seed: int, max_tokens: int = 16,
-                 think_s: tuple[float, float] = (0.1, 0.5), timeout_s: float = 30.0) -> None:
+                 think_s: tuple[float, float] = (0.1, 0.5), timeout_s: float = 30.0,
+                 keys: tuple[str, ...] = ()) -> None:
         self.gateway, self.model_line, self.n, self.seed = gateway, model_line, n, seed
+        self.keys = keys  # API keys, user i sends keys[i % len(keys)] (none: the gateway runs without auth)
         self.max_tokens, self.think_s, self.timeout_s = max_tokens, think_s, timeout_s
         self.log = ClientLog()
         self._stop = threading.Event()
@@ -90,7 +93,8 @@ class Users:
 
     def _user(self, index: int) -> None:
         rng = random.Random(self.seed * 100_003 + index)
-        with httpx.Client(base_url=self.gateway, timeout=self.timeout_s) as client:
+        headers = {"Authorization": f"Bearer {self.keys[index % len(self.keys)]}"} if self.keys else {}
+        with httpx.Client(base_url=self.gateway, timeout=self.timeout_s, headers=headers) as client:
             while not self._stop.is_set():
                 try:
                     self._session(client, rng)
