@@ -221,6 +221,13 @@ def _damage(data: bytes, mode: str, wrong: bytes | None) -> bytes:
     return wrong
 
 
+def _new_delta_candidate(registry: Any, newest: int) -> Any:
+    """The first delta candidate above ``newest`` the trainer publishes (TimeoutError after 30 s)."""
+    return wait_for("a new delta candidate", lambda: next(
+        (v for v in sorted(registry.versions(), key=lambda v: v.version)
+         if v.version > newest and v.kind == "delta" and v.status == "candidate"), None), 30.0, 0.05)
+
+
 def fault_bad_delta(c: Chaos) -> None:
     """Damage a fresh delta in the store before it rolls out, in turn: corrupted bytes, truncated,
     and a valid delta of the same weights against the wrong parent. Each round: the rollout
@@ -248,9 +255,7 @@ def fault_bad_delta(c: Chaos) -> None:
             rollout.signal(signal.SIGCONT)
             continue
         try:
-            target = wait_for("a new delta candidate", lambda: next(
-                (v for v in sorted(registry.versions(), key=lambda v: v.version)
-                 if v.version > newest and v.kind == "delta" and v.status == "candidate"), None), 30.0, 0.05)
+            target = _new_delta_candidate(registry, newest)
             path = root / target.store_key
             original = path.read_bytes()
             wrong = None
@@ -393,9 +398,7 @@ def fault_bad_canary(c: Chaos) -> None:
             rollout.signal(signal.SIGCONT)
             continue
         try:
-            target = wait_for("a new delta candidate", lambda: next(
-                (v for v in sorted(registry.versions(), key=lambda v: v.version)
-                 if v.version > newest and v.kind == "delta" and v.status == "candidate"), None), 30.0, 0.05)
+            target = _new_delta_candidate(registry, newest)
             path = root / target.store_key
             original = path.read_bytes()
             path.write_bytes(_damage(original, "corrupt", None))
