@@ -16,8 +16,9 @@ import uuid
 from datetime import datetime, timezone
 from typing import Annotated, Any, ClassVar, Literal
 
-import orjson
 from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, NonNegativeInt, StringConstraints, model_validator
+
+from flywheel import jsonpolicy
 
 SCHEMA_VERSION = 1
 
@@ -52,16 +53,11 @@ class _Event(BaseModel):
 
     @classmethod
     def from_bytes(cls, raw: bytes):
-        """Decode and validate; raises ``pydantic.ValidationError`` or ``ValueError`` on bad input.
-
-        orjson parses, pydantic validates the objects: a third less CPU than pydantic's own JSON
-        mode on generation events. What orjson refuses (integers beyond 64 bits, lone surrogates,
-        malformed JSON) goes to pydantic's parser, which accepts or explains it as before."""
-        try:
-            data = orjson.loads(raw)
-        except orjson.JSONDecodeError:
-            return cls.model_validate_json(raw)
-        return cls.model_validate(data)
+        """Decode under the system's JSON policy (``flywheel.jsonpolicy``: what the gateway
+        accepts, every consumer reads) and validate; raises ``ValueError`` on bad input
+        (``JSONPolicyError`` naming the field, or ``pydantic.ValidationError``): the caller
+        dead-letters the record."""
+        return cls.model_validate(jsonpolicy.loads(raw))
 
 
 class Message(BaseModel):
@@ -173,6 +169,12 @@ class Segment(BaseModel):
     def _aligned(self) -> "Segment":
         if not (len(self.tokens) == len(self.mask) == len(self.logprobs)):
             raise ValueError("tokens, mask and logprobs must have the same length")
+        if not set(self.mask) <= {0, 1}:
+            raise ValueError("mask must hold only 0 and 1")
+        for turn in self.turns:
+            if not turn.start <= turn.end <= len(self.tokens):
+                raise ValueError(f"turn {turn.generation_id!r} spans tokens [{turn.start}, {turn.end}), outside "
+                                 f"its segment of {len(self.tokens)}")
         return self
 
 
@@ -220,6 +222,9 @@ class ScoredTrajectory(_Event):
     def _advantages_aligned(self) -> "ScoredTrajectory":
         if self.turn_advantages is not None and len(self.turn_advantages) != len(self.turn_rewards):
             raise ValueError("turn_advantages must have one entry per turn reward")
+        turns = sum(len(s.turns) for s in self.segments)
+        if len(self.turn_rewards) != turns:
+            raise ValueError(f"{len(self.turn_rewards)} turn rewards for {turns} turns: one per turn")
         return self
 
 

@@ -24,15 +24,11 @@ from fastapi import Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.requests import ClientDisconnect
 
+from flywheel import jsonpolicy
 from flywheel.events import Ident
 from serving.errors import APIError, from_pydantic
 
-#: Deeper JSON than this is refused: nothing legitimate nests so far, and the recorded event must
-#: still serialise.
-MAX_JSON_DEPTH = 64
 _PRINTABLE = re.compile(r"^[^\x00-\x1f\x7f]+$")
-#: A JSON escape of a UTF-16 surrogate (raw UTF-8 cannot hold one): the only way a lone one gets in.
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 
@@ -232,8 +228,9 @@ async def sse_data(lines: AsyncIterator[str]) -> AsyncIterator[str]:
 async def read_json_body(request: Request, limit: int, timeout_s: float | None = None) -> Any:
     """The request body parsed as JSON, or an OpenAI-style 4xx: over ``limit`` bytes (413), not
     whole within ``timeout_s`` of starting to read it (408, and the connection is closed: a client
-    trickling its body cannot hold the server), empty, malformed (integers beyond Python's digit
-    limit and lone UTF-16 surrogates included), or nested deeper than :data:`MAX_JSON_DEPTH` (400)."""
+    trickling its body cannot hold the server), empty, or outside the system's JSON policy
+    (``flywheel.jsonpolicy``: malformed, NaN/Infinity, numbers out of range, lone UTF-16
+    surrogates, repeated keys, nested deeper than 64 levels): 400 naming the field in ``param``."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise APIError(413, f"request body is {declared} bytes; the limit is {limit}", code="request_too_large")
@@ -255,51 +252,13 @@ async def read_json_body(request: Request, limit: int, timeout_s: float | None =
     raw = b"".join(chunks)
     if not raw.strip():
         raise APIError(400, "request body is empty; send a JSON object", code="invalid_json")
-    too_deep = APIError(400, f"request body nests deeper than {MAX_JSON_DEPTH} levels", code="invalid_json")
     try:
-        body = json.loads(raw)
-    except RecursionError:
-        raise too_deep from None
-    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, an integer of more than 4300 digits
-        raise APIError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from None
-    if json_depth(body) > MAX_JSON_DEPTH:
-        raise too_deep
-    # NUL bytes: JSON in UTF-16 or UTF-32 (json.loads reads those too), whose escapes the pattern misses.
-    if (b"\x00" in raw or _SURROGATE_ESCAPE.search(raw)) and _lone_surrogate(body):
-        raise APIError(400, "request body holds a lone UTF-16 surrogate (an escape in \\ud800-\\udfff that is not "
-                       "half of a pair): not Unicode text", code="invalid_json")
-    return body
+        return jsonpolicy.loads(raw)
+    except jsonpolicy.JSONPolicyError as exc:
+        where = f"{exc.path}: " if exc.path else ""
+        raise APIError(400, f"request body breaks the JSON policy: {where}{exc.problem}", param=exc.path or None,
+                       code="invalid_json") from None
 
-
-def _lone_surrogate(value: Any) -> bool:
-    """True if a string (or key) in parsed JSON holds a surrogate that pairs with nothing; such text
-    cannot be encoded, tokenised or recorded. Without recursion, like :func:`json_depth`."""
-    stack = [value]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, dict):
-            stack.extend(item.keys())
-            stack.extend(item.values())
-        elif isinstance(item, list):
-            stack.extend(item)
-        elif isinstance(item, str):
-            try:
-                item.encode("utf-8")
-            except UnicodeEncodeError:
-                return True
-    return False
-
-
-def json_depth(value: Any) -> int:
-    """Nesting depth of parsed JSON (a scalar is 0), computed without recursion."""
-    depth, stack = 0, [(value, 1)]
-    while stack:
-        item, level = stack.pop()
-        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
-        if children is not None:
-            depth = max(depth, level)
-            stack.extend((child, level + 1) for child in children)
-    return depth
 
 
 def check_session_id(value: str) -> str:

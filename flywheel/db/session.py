@@ -20,7 +20,6 @@ Invariants:
 
 from __future__ import annotations
 
-import json
 import logging
 import sqlite3
 import threading
@@ -29,12 +28,12 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-import orjson
 from sqlalchemy import Engine, create_engine, event, text
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
+from flywheel.jsonpolicy import db_dumps, db_loads
 from flywheel.settings import redact_url, scrub, url_secrets
 
 log = logging.getLogger(__name__)
@@ -71,14 +70,12 @@ class JSONText(str):
 
 
 def json_dumps(value: Any) -> str:
-    """The engines' JSON serialiser: :class:`JSONText` as is, the rest through orjson (json for
-    what orjson refuses, such as integers beyond 64 bits)."""
+    """The engines' JSON serialiser: :class:`JSONText` as is, the rest through
+    :func:`flywheel.jsonpolicy.db_dumps`, whose reader :func:`flywheel.jsonpolicy.db_loads` is the
+    engines' deserialiser: a row the writer wrote is never a poison pill for its reader."""
     if isinstance(value, JSONText):
         return value
-    try:
-        return orjson.dumps(value).decode()
-    except TypeError:
-        return json.dumps(value)
+    return db_dumps(value)
 
 
 def make_engine(url: str | URL, *, connect_timeout_s: float | None = None) -> Engine:
@@ -87,7 +84,7 @@ def make_engine(url: str | URL, *, connect_timeout_s: float | None = None) -> En
     backend = parsed.get_backend_name()
     if backend == "sqlite":
         return _make_sqlite_engine(parsed, connect_timeout_s)
-    kwargs: dict[str, Any] = {"pool_pre_ping": True, "json_serializer": json_dumps, "json_deserializer": orjson.loads}
+    kwargs: dict[str, Any] = {"pool_pre_ping": True, "json_serializer": json_dumps, "json_deserializer": db_loads}
     if backend == "postgresql":
         timeout = PG_CONNECT_TIMEOUT_S if connect_timeout_s is None else connect_timeout_s
         kwargs["connect_args"] = {"connect_timeout": max(1, int(round(timeout)))}
@@ -100,7 +97,7 @@ def _make_sqlite_engine(url: URL, connect_timeout_s: float | None) -> Engine:
         path.parent.mkdir(parents=True, exist_ok=True)
     busy_s = SQLITE_BUSY_TIMEOUT_S if connect_timeout_s is None else connect_timeout_s
     engine = create_engine(url, connect_args={"timeout": busy_s}, json_serializer=json_dumps,
-                           json_deserializer=orjson.loads)
+                           json_deserializer=db_loads)
 
     @event.listens_for(engine, "connect")
     def _on_connect(dbapi_conn: Any, _record: Any) -> None:

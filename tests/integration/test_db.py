@@ -300,3 +300,25 @@ def test_sqlite_concurrent_processes(sqlite_url):
         assert s.scalar(select(func.count()).select_from(Generation)) == n * workers
         assert s.get(SessionState, ("t", "shared")).revision == n * workers
     engine.dispose()
+
+
+def test_json_columns_read_back_what_they_wrote_beyond_64_bits(db_url):
+    """The engines' JSON writer and reader are one pair (``flywheel.jsonpolicy.db_dumps`` /
+    ``db_loads``): a payload holding an integer orjson cannot read (a row from before the edge
+    enforced the JSON policy) reads back whole, on SQLite and PostgreSQL, instead of failing every
+    later read of its session; a NaN is refused, never stored as null."""
+    engine = make_engine(db_url)
+    table = sa.Table(f"json_pair_{uuid.uuid4().hex[:8]}", sa.MetaData(), sa.Column("id", sa.Integer, primary_key=True),
+                     sa.Column("payload", sa.JSON))
+    table.create(engine)
+    try:
+        values = [{"data": {"a": 10**4000}}, {"data": {"a": 2**64 + 1}}, {"t": [1, 2], "l": [-0.5], "s": "é\u2028"}]
+        with engine.begin() as conn:
+            conn.execute(table.insert(), [{"id": i, "payload": v} for i, v in enumerate(values)])
+        with engine.connect() as conn:
+            assert [row.payload for row in conn.execute(sa.select(table).order_by(table.c.id))] == values
+        with pytest.raises(sa.exc.StatementError, match="NaN"), engine.begin() as conn:
+            conn.execute(table.insert(), [{"id": 9, "payload": {"x": float("nan")}}])
+    finally:
+        table.drop(engine)
+        engine.dispose()
