@@ -1,7 +1,8 @@
 """Liveness of the roles that serve no HTTP (ingest, rewards, trainer, rollout): heartbeat files.
 
 A worker's main loop calls :meth:`Beat.beat` on every turn. At most once a second that atomically
-rewrites ``{data_dir}/health/{role}-{hostname}.json`` with ``{"role", "host", "pid", "ts"}`` (a
+rewrites ``{data_dir}/health/{role}-{hostname}.json`` with ``{"role", "host", "pid", "ts"}`` and
+the worker's counters when it has them (``counters``: ``dead_lettered``, ``scored``, ...) (a
 temporary file renamed over the old one, so a reader never sees half a file). A loop that wedges
 stops beating, and the file grows old. :func:`check` (``flywheel health ROLE --max-age-s N``, the
 container health check in docker-compose.yml) reads this host's file and says whether the role is
@@ -28,7 +29,7 @@ import socket
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 log = logging.getLogger("flywheel.health")
 
@@ -52,8 +53,11 @@ def health_path(settings: Any, role: str, host: str | None = None) -> Path:
 class Beat:
     """A role's heartbeat file; call :meth:`beat` from every turn of the role's main loop."""
 
-    def __init__(self, settings: Any, role: str, min_interval_s: float = MIN_INTERVAL_S) -> None:
+    def __init__(self, settings: Any, role: str, min_interval_s: float = MIN_INTERVAL_S,
+                 counters: Mapping[str, int] | None = None) -> None:
         self.role = role
+        #: The worker's live counters (``dead_lettered`` among them), written with every beat.
+        self.counters = counters
         self.path = health_path(settings, role)
         self.min_interval_s = min_interval_s
         self._last = float("-inf")  # monotonic time of the last write
@@ -66,7 +70,10 @@ class Beat:
         if now - self._last < self.min_interval_s:
             return False
         self._last = now
-        body = json.dumps({"role": self.role, "host": host_name(), "pid": os.getpid(), "ts": time.time()})
+        beat: dict[str, Any] = {"role": self.role, "host": host_name(), "pid": os.getpid(), "ts": time.time()}
+        if self.counters is not None:
+            beat["counters"] = dict(self.counters)
+        body = json.dumps(beat)
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.")
@@ -126,4 +133,6 @@ def check(settings: Any, role: str, max_age_s: float) -> tuple[bool, str]:
                        f"its loop is stuck or it stopped")
     if _gone(pid):
         return False, f"{role} (pid {pid}) is not running (last beat {age:.1f}s ago)"
-    return True, f"{role} (pid {pid}) beat {age:.1f}s ago"
+    counters = beat.get("counters") or {}
+    figures = "".join(f", {name} {counters[name]}" for name in sorted(counters))
+    return True, f"{role} (pid {pid}) beat {age:.1f}s ago{figures}"

@@ -314,6 +314,10 @@ class RewardSettings(_Section):
     #: At start the worker rebuilds its normalisation statistics from this many newest scored rows
     #: of its spec version (the statistics are not persisted; see rewards/normalise.py).
     restore_rows: int = Field(5000, ge=0)
+    #: Score only trajectories ingest stored: a trajectory record whose event has no row in
+    #: ``trajectories`` did not come from ingest (a forged or stray record) and is dead-lettered.
+    #: Off only to score trajectories replayed into a database that does not hold them.
+    require_stored: bool = True
 
 
 class TrainerSettings(_Section):
@@ -370,6 +374,11 @@ class TrainerSettings(_Section):
     checkpoint_dir: str = ""
     #: Checkpoints kept; only the newest is ever loaded, older ones are for inspection.
     keep_checkpoints: int = Field(2, ge=1)
+    #: Train only on scored trajectories the rewards stage stored: a scored record whose event has
+    #: no row in ``scored_trajectories`` did not come from rewards (a forged or stray record) and is
+    #: dead-lettered. Off only to train on scored records replayed into another database (an lr-0
+    #: control run on a copy of the scored topic).
+    require_stored: bool = True
 
     @model_validator(mode="after")
     def _adapters_need_lora(self) -> "TrainerSettings":

@@ -11,8 +11,10 @@ go on the bus, and only then the bus offsets are committed.
 Invalid events never block their neighbours: an event the database would refuse (a string longer
 than its column, a 32-bit overflow) or that no trajectory can carry (sampling outside what a
 ``Turn`` allows) is dead-lettered before the batch is written; should the database still refuse
-a batch (``DataError``/``IntegrityError``), it is written again one event per transaction and
-only the events it refuses are dead-lettered.
+a batch (``DataError``/``IntegrityError``), or applying it fail on its data
+(``flywheel.bus.base.BAD_RECORD``: a value no code path expected), it is written again one event
+per transaction and only the events that still fail are dead-lettered. Decoding applies the
+system's JSON policy (``flywheel.jsonpolicy``), so nothing stored is a poison pill when read back.
 
 Several workers in one consumer group (processes, any number, partitions moving between them):
 
@@ -84,7 +86,7 @@ from sqlalchemy.exc import DataError, IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
 from flywheel.bus import Consumer, Producer, Record, make_bus, partition_for_key
-from flywheel.bus.base import stay_in_group
+from flywheel.bus.base import BAD_RECORD, stay_in_group
 from flywheel.bus.envelope import Reassembler
 from flywheel.db.models import Feedback, Generation
 from flywheel.db.session import OutageWait, make_session_factory, open_database
@@ -152,15 +154,17 @@ class Ingestor:
         if decoded:
             try:
                 self._emit(self._apply([event for _, event in decoded]))
-            except (DataError, IntegrityError) as exc:
-                log.warning("the database refused a batch of %d events (%s); writing them one by one",
-                            len(decoded), str(exc.orig or exc).strip()[:200])
+            except (DataError, IntegrityError, *BAD_RECORD) as exc:
+                log.warning("a batch of %d events could not be stored (%s); writing them one by one",
+                            len(decoded), _why(exc)[:200])
                 self.counters["batches_split"] += 1
                 for record, event in decoded:
                     try:
                         self._emit(self._apply([event]))
-                    except (DataError, IntegrityError) as one:
-                        self._dead_letter(record, consumer, f"refused by the database: {str(one.orig or one).strip()}")
+                    except (DataError, IntegrityError, *BAD_RECORD) as one:
+                        self._dead_letter(record, consumer, f"refused by the database: {_why(one)}"
+                                          if isinstance(one, (DataError, IntegrityError))
+                                          else f"cannot be applied: {type(one).__name__}: {one}")
         self.emit_pending()
 
     def committable(self, records: Sequence[Record], consumer: Consumer) -> list[Record]:
@@ -374,6 +378,11 @@ class Ingestor:
         self.counters["trajectories_emitted"] += len(trajectories)
 
 
+def _why(exc: Exception) -> str:
+    orig = getattr(exc, "orig", None)
+    return str(orig or exc).strip()
+
+
 def _advance(state: store.State, ts: datetime) -> None:
     if ts > state.last_event_at:
         state.last_event_at = ts
@@ -422,7 +431,7 @@ def run(settings: Settings, stop: threading.Event | None = None) -> None:
     producer = bus.producer()
     counters: Counter[str] = Counter()
     ingestor: Ingestor | None = Ingestor(settings, sessions, producer, counters)
-    heartbeat = Beat(settings, "ingest")  # `flywheel health ingest`: a turn is a poll plus one batch
+    heartbeat = Beat(settings, "ingest", counters=counters)  # `flywheel health ingest`: a turn is a poll plus one batch
     outages = OutageWait(settings.database_url, settings.db.wait_s)
     log.info("ingest consuming %s", ", ".join(topics))
     previous: set[tuple[str, int]] = set()

@@ -71,6 +71,11 @@ class Normaliser:
         self._groups: OrderedDict[GroupKey, deque[tuple[float, ...]]] = OrderedDict()
         self._running: dict[tuple[str, str], RunningStats] = {}
 
+    def reset(self) -> None:
+        """Forget every sample (before replaying the committed ones)."""
+        self._groups.clear()
+        self._running.clear()
+
     def baseline(self, tenant: str, model_line: str, prompt_key: str | None, turn_rewards: Sequence[float]) -> tuple[float, float, str]:
         """``(mean, std, source)`` for a sample, ``source`` being ``group`` or ``running``; no state changes."""
         group = self._groups.get((tenant, model_line, prompt_key)) if prompt_key is not None else None

@@ -26,7 +26,7 @@ from typing import Any
 from sqlalchemy import delete, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
-from flywheel.db.models import Generation, RewardSpecRow, RewardVersionStats, ScoredTrajectoryRow
+from flywheel.db.models import Generation, RewardSpecRow, RewardVersionStats, ScoredTrajectoryRow, Trajectory
 from flywheel.db.session import JSONText, insert_ignore
 from flywheel.events import ScoredTrajectory, TrajectoryEvent
 from rewards.guards import VersionStats, anomalies, served_version
@@ -215,6 +215,12 @@ def stats_rows(db: Session, spec_version: str | None = None) -> list[RewardVersi
 
 
 # --- normalisation state ---------------------------------------------------------------------------
+
+
+def stored_trajectories(db: Session, event_ids: Iterable[str]) -> set[str]:
+    """Which of these trajectory events ingest stored (its outbox stores each before producing it)."""
+    wanted = sorted(set(event_ids))
+    return set(db.scalars(select(Trajectory.event_id).where(Trajectory.event_id.in_(wanted)))) if wanted else set()
 
 
 def restore_normaliser(db: Session, normaliser: Normaliser, spec_version: str, rows: int) -> int:

@@ -1,11 +1,16 @@
 """The rewards worker: trajectories from the bus -> scored (persisted, then produced).
 
 Per polled batch: decode (undecodable -> dead letter), score every trajectory with the spec (pure
-builders; the judge, when enabled, is called here, outside any transaction), then in ONE database
+builders; the judge, when enabled, is called here, outside any transaction; a trajectory no builder
+can score, or that ingest never stored (``rewards.require_stored``: a forged or stray record) -> dead
+letter), then in ONE database
 transaction: find the batch's rows already scored (a replay), compute advantages for the others
 (``rewards.normalise``; held-out ones get none), insert them, move the per-version stats by what
 was really inserted and re-evaluate the anomaly flags; commit. Then produce every non-held-out
-scored trajectory, flush, and only then commit the offsets.
+scored trajectory, flush, and only then commit the offsets. A batch the database refuses (or that
+cannot be made into scored rows) is stored again one trajectory per transaction, the normaliser
+restored from the database first, and only what is still refused is dead-lettered: one bad record
+never stops the stream, and never crash-loops the worker.
 
 - A scored event's ``event_id`` is derived from ``(trajectory_id, revision, spec_version)`` and a
   replayed row is produced from its stored payload, so a crash anywhere replays the batch into the
@@ -31,14 +36,15 @@ import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
 
+from sqlalchemy.exc import DataError, IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
 from flywheel.bus import Consumer, Producer, Record, make_bus
-from flywheel.bus.base import stay_in_group
+from flywheel.bus.base import BAD_RECORD, stay_in_group
 from flywheel.db.session import OutageWait, make_session_factory, open_database
 from flywheel.events import ScoredTrajectory, TrajectoryEvent
 from flywheel.health import Beat
-from flywheel.settings import Settings
+from flywheel.settings import RewardSettings, Settings
 from rewards import store
 from rewards.builders import RewardOutput
 from rewards.normalise import Normaliser
@@ -63,34 +69,77 @@ def process(
     topic: str,
     counters: Counter[str],
     beat: Callable[[], object] | None = None,
+    *,
+    restore_rows: int = RewardSettings.model_fields["restore_rows"].default,
+    require_stored: bool = RewardSettings.model_fields["require_stored"].default,
 ) -> None:
     """Score, persist and produce one batch; the caller commits the offsets afterwards. ``beat``
-    (the worker's heartbeat) is called after each trajectory is scored: a judge call may be slow."""
-    batch: dict[str, tuple[TrajectoryEvent, RewardOutput]] = {}
+    (the worker's heartbeat) is called after each trajectory is scored: a judge call may be slow.
+
+    A record that cannot be decoded, scored or stored is dead-lettered and the batch goes on: a
+    batch the database refuses is written again one trajectory per transaction (the normaliser
+    restored from the database first, ``restore_rows`` rows, so nothing uncommitted counts) and
+    only what it still refuses is dead-lettered."""
+    decoded: list[tuple[Record, TrajectoryEvent]] = []
     for record in records:
         try:
-            traj = TrajectoryEvent.from_bytes(record.value)
+            decoded.append((record, TrajectoryEvent.from_bytes(record.value)))
         except ValueError as exc:
-            reason = f"undecodable TrajectoryEvent: {exc}"[:1000]
-            consumer.dead_letter(record, reason)
-            counters["dead_lettered"] += 1
-            log.warning("dead-lettered %s[%d]@%d: %s", record.topic, record.partition, record.offset, reason[:200])
-            continue
+            _dead_letter(consumer, record, f"undecodable TrajectoryEvent: {exc}", counters)
+    if require_stored and decoded:
+        with sessions() as db:
+            known = store.stored_trajectories(db, (traj.event_id for _, traj in decoded))
+        for record, traj in [(r, t) for r, t in decoded if t.event_id not in known]:
+            _dead_letter(consumer, record, f"unknown TrajectoryEvent: ingest stored no trajectory {traj.trajectory_id!r} "
+                         f"revision {traj.revision} (event {traj.event_id}): not from ingest", counters)
+        decoded = [(r, t) for r, t in decoded if t.event_id in known]
+    batch: dict[str, tuple[TrajectoryEvent, RewardOutput, Record]] = {}
+    for record, traj in decoded:
         event_id = scored_event_id(traj.trajectory_id, traj.revision, scorer.spec.version)
         if event_id not in batch:  # a producer retry can put one trajectory twice in a batch
-            batch[event_id] = (traj, scorer(traj))
+            try:
+                rewards = scorer(traj)
+            except BAD_RECORD as exc:  # a builder (or the judge's parser) cannot score this trajectory
+                _dead_letter(consumer, record, f"unscorable TrajectoryEvent: {type(exc).__name__}: {exc}", counters)
+                continue
+            batch[event_id] = (traj, rewards, record)
             if beat is not None:
                 beat()
     if not batch:
         return
+    try:
+        out = _store(batch, sessions, scorer, normaliser, counters)
+    except (DataError, IntegrityError, *BAD_RECORD) as exc:
+        log.warning("a batch of %d trajectories could not be stored (%s: %s); storing them one by one",
+                    len(batch), type(exc).__name__, str(exc)[:200])
+        counters["batches_split"] += 1
+        out = []
+        _restore(sessions, scorer.spec, normaliser, restore_rows)
+        for event_id, item in batch.items():
+            try:
+                out += _store({event_id: item}, sessions, scorer, normaliser, counters)
+            except (DataError, IntegrityError, *BAD_RECORD) as one:
+                _dead_letter(consumer, item[2], f"unstorable ScoredTrajectory: {type(one).__name__}: {one}", counters)
+                _restore(sessions, scorer.spec, normaliser, restore_rows)
+    for s, text in out:  # re-produced even when not new: the previous attempt may have died before its flush
+        if not s.held_out:
+            producer.send(topic, s.session_id, text.encode() if text is not None else s.to_bytes())
+    producer.flush()
+
+
+def _store(batch: dict[str, tuple[TrajectoryEvent, RewardOutput, Record]], sessions: sessionmaker[Session],
+           scorer: Scorer, normaliser: Normaliser,
+           counters: Counter[str]) -> list[tuple[ScoredTrajectory, str | None]]:
+    """One transaction (module docstring); every scored trajectory of ``batch``, each with the JSON
+    it was stored as when this call stored it (None: stored before, produced from its payload)."""
     spec = scorer.spec
-    out: list[ScoredTrajectory] = []
+    out: list[tuple[ScoredTrajectory, str | None]] = []
     with sessions() as db, db.begin():
         stored = store.stored_payloads(db, batch)
         fresh: list[ScoredTrajectory] = []
-        for event_id, (traj, rewards) in batch.items():
+        for event_id, (traj, rewards, _) in batch.items():
             if event_id in stored:
-                out.append(ScoredTrajectory.model_validate(stored[event_id]))
+                out.append((ScoredTrajectory.model_validate(stored[event_id]), None))
                 continue
             held_out = scorer.held_out(traj)
             advantages = None if held_out else normaliser.advantages(
@@ -101,17 +150,26 @@ def process(
         new = [s for s in fresh if s.event_id in inserted]
         store.apply_stats(db, spec, store.stats_deltas(db, spec.version, new))
         lost = [s.event_id for s in fresh if s.event_id not in inserted]  # another worker scored them first
-        out += [ScoredTrajectory.model_validate(p) for p in store.stored_payloads(db, lost).values()]
-        out += new
+        out += [(ScoredTrajectory.model_validate(p), None) for p in store.stored_payloads(db, lost).values()]
+        out += [(s, encoded[s.event_id]) for s in new]
     counters["scored"] += len(new)
     counters["held_out"] += sum(s.held_out for s in new)
     counters["duplicates"] += len(batch) - len(new)
-    mine = {id(s) for s in new}
-    for s in out:  # re-produced even when not new: the previous attempt may have died before its flush
-        if not s.held_out:
-            text = encoded[s.event_id] if id(s) in mine else None
-            producer.send(topic, s.session_id, text.encode() if text is not None else s.to_bytes())
-    producer.flush()
+    return out
+
+
+def _restore(sessions: sessionmaker[Session], spec: RewardSpec, normaliser: Normaliser, rows: int) -> None:
+    """Put ``normaliser`` back to what the database holds (it may have observed uncommitted rewards)."""
+    normaliser.reset()
+    with sessions() as db, db.begin():
+        store.restore_normaliser(db, normaliser, spec.version, rows)
+
+
+def _dead_letter(consumer: Consumer, record: Record, reason: str, counters: Counter[str]) -> None:
+    reason = reason[:1000]
+    consumer.dead_letter(record, reason)
+    counters["dead_lettered"] += 1
+    log.warning("dead-lettered %s[%d]@%d: %s", record.topic, record.partition, record.offset, reason[:200])
 
 
 def _prepare(sessions: sessionmaker[Session], spec: RewardSpec, restore_rows: int) -> tuple[Normaliser, int]:
@@ -141,7 +199,7 @@ def run(settings: Settings, stop: threading.Event | None = None) -> None:
     consumer = bus.consumer(settings.group("rewards"), [source])
     producer = bus.producer()
     counters: Counter[str] = Counter()
-    heartbeat = Beat(settings, "rewards")  # `flywheel health rewards`: beats every turn and every scored trajectory
+    heartbeat = Beat(settings, "rewards", counters=counters)  # `flywheel health rewards`: beats every turn and every scored trajectory
     outages = OutageWait(settings.database_url, settings.db.wait_s)
     log.info("rewards scoring %s with spec %s (%s; normalisation restored from %d rows)",
              source, spec.version, spec.sha256[:12], restored)
@@ -155,7 +213,8 @@ def run(settings: Settings, stop: threading.Event | None = None) -> None:
                     log.info("rewards: normalisation restored from %d rows", restored)
                 records = consumer.poll(timeout_s=POLL_TIMEOUT_S, max_records=MAX_RECORDS)
                 if records:
-                    process(records, consumer, sessions, producer, scorer, normaliser, topic, counters, heartbeat.beat)
+                    process(records, consumer, sessions, producer, scorer, normaliser, topic, counters, heartbeat.beat,
+                            restore_rows=settings.rewards.restore_rows, require_stored=settings.rewards.require_stored)
                     consumer.commit(records)
             except Exception as exc:
                 outages.ride_out("rewards", exc, lambda: (heartbeat.beat(), stay_in_group(consumer)), stop)

@@ -63,8 +63,11 @@ from statistics import fmean
 from typing import Any
 
 import torch
+from sqlalchemy import select
+from sqlalchemy.orm import Session, sessionmaker
 
-from flywheel.bus import make_bus
+from flywheel.bus import Record, make_bus
+from flywheel.db.models import ScoredTrajectoryRow
 from flywheel.db.session import make_session_factory, open_database
 from flywheel.events import ScoredTrajectory
 from flywheel.health import Beat
@@ -185,6 +188,7 @@ def _train(settings: Settings, stop: threading.Event, dist: Dist) -> None:
     topic = settings.topic("scored")
     bus.ensure_topics([topic])
     consumer = bus.consumer(settings.group("trainer"), [topic])
+    scored_rows = make_session_factory(engine)  # what rewards stored: ``vet``'s provenance check
     log.info("training %s (%s, %s, %d rank(s) %s on %s) from v%d (step %d), lr=%g, batch %d",
              settings.model.line, cfg.mode,
              f"LoRA r={cfg.lora_rank}, {cfg.lora_publish} versions" if policy.lora else "full", dist.world_size,
@@ -224,17 +228,15 @@ def _train(settings: Settings, stop: threading.Event, dist: Dist) -> None:
             if stop.is_set():
                 dist.broadcast_object(("stop",))
                 break
-            for record in consumer.poll(timeout_s=0.0 if busy else POLL_TIMEOUT_S, max_records=MAX_RECORDS):
-                if not offsets.track(record):
-                    continue  # redelivered after a restart; the checkpoint holds its fate
-                try:
-                    sample = ScoredTrajectory.from_bytes(record.value)
-                except ValueError as exc:
-                    consumer.dead_letter(record, f"undecodable ScoredTrajectory: {exc}"[:1000])
-                    offsets.done(record)
-                    continue
-                if (problem := untrainable(sample, settings.model.line, vocab_size)) is not None:
+            polled = [r for r in consumer.poll(timeout_s=0.0 if busy else POLL_TIMEOUT_S, max_records=MAX_RECORDS)
+                      if offsets.track(r)]  # not tracked: redelivered after a restart; the checkpoint holds its fate
+            for record, sample, problem in vet(polled, settings.model.line, vocab_size,
+                                               scored_rows if cfg.require_stored else None):
+                if problem is not None:
                     consumer.dead_letter(record, problem)
+                    buffer.dropped["dead_lettered"] += 1  # in the version's metrics as dropped_dead_lettered
+                    log.warning("dead-lettered %s[%d]@%d: %s", record.topic, record.partition, record.offset,
+                                problem[:200])
                     offsets.done(record)
                     continue
                 if buffer.add(sample, record, current) is not None:
@@ -307,6 +309,29 @@ def publish(registry: Registry, policy: Policy, ckpt: checkpoint.Checkpoint, par
         {k: round(v, 4) for k, v in info.metrics.items() if isinstance(v, float)},
     )
     return info
+
+
+def vet(records: list[Record], model_line: str, vocab_size: int,
+        sessions: sessionmaker[Session] | None) -> list[tuple[Record, ScoredTrajectory | None, str | None]]:
+    """Each record with its sample, or with why it must be dead-lettered: undecodable, untrainable,
+    or (with ``sessions``: ``trainer.require_stored``) scored by no rewards worker, its event having
+    no row in ``scored_trajectories`` (one query for the whole poll)."""
+    out: list[tuple[Record, ScoredTrajectory | None, str | None]] = []
+    for record in records:
+        try:
+            sample = ScoredTrajectory.from_bytes(record.value)
+        except ValueError as exc:
+            out.append((record, None, f"undecodable ScoredTrajectory: {exc}"[:1000]))
+            continue
+        out.append((record, sample, untrainable(sample, model_line, vocab_size)))
+    wanted = sorted({s.event_id for _, s, problem in out if s is not None and problem is None})
+    if sessions is not None and wanted:
+        with sessions() as db:
+            known = set(db.scalars(select(ScoredTrajectoryRow.event_id).where(ScoredTrajectoryRow.event_id.in_(wanted))))
+        out = [(r, s, f"unknown ScoredTrajectory: no rewards worker stored {s.trajectory_id!r} revision {s.revision} "
+                      f"(event {s.event_id}): not from rewards")
+               if s is not None and p is None and s.event_id not in known else (r, s, p) for r, s, p in out]
+    return out
 
 
 def untrainable(sample: ScoredTrajectory, model_line: str, vocab_size: int) -> str | None:

@@ -96,6 +96,14 @@ class BusError(Exception):
     """A backend failure the caller should not paper over (broker error, corrupt log)."""
 
 
+#: Errors that mean "this record cannot be decoded or applied" when a consumer processes one record:
+#: a worker dead-letters the record and goes on (the database's own refusals, ``DataError`` and
+#: ``IntegrityError``, join these in the workers). Outages and backend failures are not among them.
+BAD_RECORD: tuple[type[Exception], ...] = (
+    ValueError, TypeError, KeyError, IndexError, ArithmeticError, RecursionError, UnicodeError,
+)
+
+
 def stay_in_group(consumer: Consumer) -> None:
     """Poll once, briefly, so the consumer stays in its group while its application cannot process
     anything (Kafka evicts a member that does not poll within ``max_poll_interval_ms``); the record

@@ -120,7 +120,9 @@ def outage_stack(request: pytest.FixtureRequest, tmp_path: Path, pg_url: str) ->
     else:
         bus = local_test_settings(tmp_path)
     return load_settings(None, **{**bus.model_dump(mode="json"), "log_level": "INFO",
-                                  "db": {"url": pg_url, "wait_s": 30}, "ingest": INGEST})
+                                  "db": {"url": pg_url, "wait_s": 30}, "ingest": INGEST,
+                                  # the rewards test produces its trajectories itself: no ingest stored them
+                                  "rewards": {"require_stored": False}})
 
 
 def members(settings: Settings, stage: str) -> list[str]:

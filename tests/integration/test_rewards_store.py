@@ -76,8 +76,9 @@ def trajectory(session_id: str, version: int, solved: bool, *, revision: int = 0
 
 
 def settings_for(tmp_path: Path, db_url: str, spec_path: Path) -> Settings:
+    """The worker scores trajectories these tests produce themselves: no ingest stored them."""
     return local_test_settings(tmp_path / "data", db={"url": db_url, "wait_s": 10},
-                               rewards={"spec_path": str(spec_path)})
+                               rewards={"spec_path": str(spec_path), "require_stored": False})
 
 
 def send(settings: Settings, topic: str, values: list[tuple[str, bytes]]) -> None:
@@ -212,7 +213,8 @@ def replay(settings: Settings, sessions: Any, spec: Any, records: list[Record]) 
     topic = f"{settings.bus.topic_prefix}replayed"
     bus.ensure_topics([topic])
     try:
-        process(records, consumer, sessions, producer, Scorer(spec), Normaliser(spec.normalise), topic, Counter())
+        process(records, consumer, sessions, producer, Scorer(spec), Normaliser(spec.normalise), topic, Counter(),
+                require_stored=False)
     finally:
         producer.close()
         consumer.close()

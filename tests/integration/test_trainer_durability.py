@@ -89,7 +89,9 @@ def make_settings(tmp_path: Path, db_url: str, model_dir: Path, **trainer: Any) 
         db={"url": db_url, "wait_s": 10},
         model={"path": str(model_dir)},
         bus={"partitions": 2},
-        trainer={"batch_size": BATCH, "steps_per_version": 1, "lr": 1e-3, "max_staleness": 1000, **trainer},
+        # The scored records are made here, not by a rewards worker: none is in scored_trajectories.
+        trainer={"batch_size": BATCH, "steps_per_version": 1, "lr": 1e-3, "max_staleness": 1000,
+                 "require_stored": False, **trainer},
     )
 
 
@@ -185,13 +187,14 @@ def test_kill_9_at_a_random_moment_then_restart_loses_and_repeats_nothing(
 
     # No version number reused or skipped, one linear chain; every trajectory trained exactly once.
     assert_one_chain_each_trajectory_once(registry, samples, context)
-    # Nothing lost: every decodable event fed was taken or dropped with a reason, counted once.
+    # Nothing lost: every event fed was taken or dropped with a reason (dead-lettered included), counted once.
     metrics = registry.versions()[-1].metrics
     dropped = {k: v for k, v in metrics.items() if k.startswith("dropped_")}
     assert metrics["taken"] == N_TRAJECTORIES and metrics["buffered"] == 0, context
     assert dropped.get("dropped_duplicate") == len(duplicates), context
     assert dropped.get("dropped_superseded", 0) + dropped.get("dropped_already_trained", 0) == len(revisions), context
-    assert metrics["taken"] + sum(dropped.values()) == N_TRAJECTORIES + len(duplicates) + len(revisions), context
+    assert dropped.get("dropped_dead_lettered") == 1, context  # the undecodable record, counted once across the kill
+    assert metrics["taken"] + sum(dropped.values()) == N_TRAJECTORIES + len(duplicates) + len(revisions) + 1, context
     assert read_dlq(settings) == [b"{ not json"]
     # The versions changed the weights (LoRA ones through their merged export; a single step may
     # not: its batch can have all-zero advantages, and a LoRA's first steps move little) and carry
