@@ -64,6 +64,7 @@ class APIError(Exception):
         code: str | None = None,
         type: str | None = None,
         headers: dict[str, str] | None = None,
+        extra: dict[str, Any] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -72,9 +73,11 @@ class APIError(Exception):
         self.code = code
         self.type = type or error_type(status)
         self.headers = headers or {}
+        #: Top-level fields beside ``error`` (a 409's ``stored``: what the server holds already).
+        self.extra = extra or {}
 
     def body(self) -> dict[str, Any]:
-        return error_body(self.message, type=self.type, param=self.param, code=self.code)
+        return {**error_body(self.message, type=self.type, param=self.param, code=self.code), **self.extra}
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)

@@ -59,7 +59,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from flywheel.events import new_id
+from flywheel.events import FeedbackEvent, new_id
 from flywheel.keys import check_tenant
 from flywheel.settings import Settings
 from serving.errors import APIError, from_pydantic, install_error_handlers
@@ -146,8 +146,10 @@ class _UpstreamStreamError(Exception):
 
 
 class PinRequest(BaseModel):
+    """``{"version": N}`` pins a tenant; clearing it takes an explicit ``{"version": null}``."""
+
     model_config = ConfigDict(extra="forbid", strict=True)
-    version: int | None = Field(None, ge=0, le=2**31 - 1)
+    version: int | None = Field(ge=0, le=2**31 - 1)
 
 
 class RolloutActionRequest(BaseModel):
@@ -530,8 +532,14 @@ class Gateway:
         tenant = principal.tenant
         header_session = request.headers.get(SESSION_HEADER)
         events = []
+        first: dict[str, int] = {}
         for i, item in enumerate(items):
             prefix = f"feedback.{i}." if batch else ""
+            if item.feedback_id in first:
+                raise APIError(400, f"feedback.{i}.feedback_id repeats feedback.{first[item.feedback_id]}.feedback_id "
+                               f"({item.feedback_id!r}): a batch holds each feedback id once",
+                               param=f"{prefix}feedback_id", code="duplicate_feedback_id")
+            first[item.feedback_id] = i
             problem = capture.feedback_problem(item)
             if problem:
                 raise APIError(400, problem, param=f"{prefix}signal", code="invalid_value")
@@ -551,17 +559,53 @@ class Gateway:
                 await self.ownership.check_session(tenant, session_id, param=f"{prefix}session_id")
             events.append(capture.feedback_event(item, tenant=tenant, session_id=session_id))
 
-        if await self.submit(events, {}):
+        claims = await self.claim_feedback(tenant, events, batch)
+        try:
+            submitted = await self.submit(events, {})
+        except BaseException:
+            await self.release_feedback(tenant, claims)
+            raise
+        if submitted:
             self.metrics.feedback.inc(len(events))
+        else:  # dropped by the spool's drop policy: nothing was recorded, a retry may differ
+            await self.release_feedback(tenant, claims)
         headers = {SESSION_HEADER: events[0].session_id} if len(events) == 1 else {}
+        # An identical replay gets the first answer again (the same event ids): a retry is harmless.
         return JSONResponse(
             {"accepted": len(events), "event_ids": [e.event_id for e in events]}, status_code=202, headers=headers
         )
 
+    async def claim_feedback(self, tenant: str, events: list[FeedbackEvent],
+                             batch: bool) -> list[tuple[str, str]]:
+        """Claim each event's feedback id for its content (``capture.feedback_content``); the
+        claims this call made (an identical earlier submission is no conflict and no claim). A
+        feedback id already claimed with other content is a 409 holding the stored content (and
+        this call's claims are released: nothing of the request was accepted)."""
+        claims: list[tuple[str, str]] = []
+        for i, event in enumerate(events):
+            content = capture.feedback_content(event)
+            held = await self.state.claim_feedback(tenant, event.feedback_id, content,
+                                                   self.settings.gateway.ownership_ttl_s)
+            if held is None:
+                claims.append((event.feedback_id, content))
+            elif held != content:
+                await self.release_feedback(tenant, claims)
+                raise APIError(409, f"feedback_id {event.feedback_id!r} was already submitted with other content "
+                               "(kind, signal, value, comment, data or target); a feedback id names one signal: "
+                               "send a new feedback_id for a new one. `stored` holds what was accepted first",
+                               param=f"feedback.{i}.feedback_id" if batch else "feedback_id",
+                               code="feedback_id_conflict", extra={"stored": orjson.loads(held)})
+        return claims
+
+    async def release_feedback(self, tenant: str, claims: list[tuple[str, str]]) -> None:
+        for feedback_id, content in claims:
+            with contextlib.suppress(StateUnavailable):
+                await self.state.release_feedback(tenant, feedback_id, content)
+
     # Models ------------------------------------------------------------------------------------
 
     async def models(self, request: Request) -> JSONResponse:
-        await self.principal(request)
+        await self.limit(await self.principal(request))
         await self.router.table()
         live = self.router.live_versions()
         line = self.settings.model.line
@@ -675,7 +719,8 @@ def create_app(settings: Settings, *, producer_factory: Callable[[], Any] | None
         finally:
             await gateway.stop()
 
-    app = FastAPI(title="flywheel gateway", docs_url=None, redoc_url=None, lifespan=lifespan)
+    # No trailing-slash redirects: their Location is built from the Host header (docs/security.md).
+    app = FastAPI(title="flywheel gateway", docs_url=None, redoc_url=None, lifespan=lifespan, redirect_slashes=False)
     app.state.gateway = gateway
     install_error_handlers(app)
 

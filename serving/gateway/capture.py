@@ -22,6 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal, Mapping
 
+import orjson
+
 from flywheel.events import FEEDBACK_SIGNALS, FeedbackEvent, GenerationEvent, SamplingParams, feedback_event_id
 from serving.protocol import (
     MODEL_VERSION_HEADER,
@@ -357,6 +359,15 @@ def feedback_problem(item: FeedbackItem) -> str | None:
     if allowed and item.signal not in allowed:
         return f"signal {item.signal!r} is not one of the {item.kind} signals; allowed: {', '.join(allowed)}"
     return None
+
+
+def feedback_content(event: FeedbackEvent) -> str:
+    """What a client chose for one feedback id, as canonical JSON (sorted keys, no ids the gateway
+    derived, no time): two submissions of one feedback id are the same signal iff this is equal."""
+    return orjson.dumps(event.model_dump(mode="json", include=_FEEDBACK_CONTENT), option=orjson.OPT_SORT_KEYS).decode()
+
+
+_FEEDBACK_CONTENT = {"feedback_id", "session_id", "generation_id", "kind", "signal", "value", "comment", "data"}
 
 
 def feedback_event(item: FeedbackItem, *, tenant: str, session_id: str) -> FeedbackEvent:

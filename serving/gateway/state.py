@@ -22,6 +22,8 @@ Invariants:
   ``max_entries`` per map, dropping the least recently written first: an evicted session is pinned
   afresh on its next request, and an evicted generation owner is found in the database by
   :class:`serving.gateway.auth.Ownership`.
+- A feedback id is claimed once per tenant (:meth:`GatewayState.claim_feedback`): the first
+  submission's content is kept for the ownership TTL, so a replay can be compared with it.
 - Backend failures surface as :class:`StateUnavailable` (never a silent default).
 """
 
@@ -60,6 +62,16 @@ class GatewayState(Protocol):
 
     async def generation_owner(self, generation_id: str) -> tuple[str, str] | None:
         """``(tenant, session_id)`` of a recorded generation, while its entry lives."""
+        ...
+
+    async def claim_feedback(self, tenant: str, feedback_id: str, content: str, ttl_s: float) -> str | None:
+        """Record ``content`` (the canonical JSON of what the client submitted) as ``tenant``'s
+        ``feedback_id`` unless one is recorded; None when this call recorded it, else the content
+        recorded first. Atomic: of concurrent claims exactly one gets None."""
+        ...
+
+    async def release_feedback(self, tenant: str, feedback_id: str, content: str) -> None:
+        """Forget the claim, if it still holds ``content`` (the submission failed: a retry may differ)."""
         ...
 
     async def get_pins(self) -> dict[str, int]:
@@ -103,6 +115,11 @@ def take_token(tokens: float | None, last_s: float, now_s: float, rpm: int, burs
 def session_key(tenant: str, session_id: str) -> str:
     """The tenant-scoped name of a session (length-prefixed: unambiguous for any strings)."""
     return f"s:{len(tenant)}:{tenant}:{session_id}"
+
+
+def feedback_key(tenant: str, feedback_id: str) -> str:
+    """The tenant-scoped name of a feedback id's claim (length-prefixed like :func:`session_key`)."""
+    return f"f:{len(tenant)}:{tenant}:{feedback_id}"
 
 
 def _check_ttl(ttl_s: float) -> int:
@@ -153,6 +170,7 @@ class MemoryState:
         self._buckets = _TTLMap(max_entries)
         self._sessions = _TTLMap(max_entries)
         self._generations = _TTLMap(max_entries)
+        self._feedback = _TTLMap(max_entries)
         self._pins: dict[str, int] = {}
 
     async def admit(self, key_id: str, rpm: int, burst: int) -> float | None:
@@ -188,6 +206,18 @@ class MemoryState:
 
     async def generation_owner(self, generation_id: str) -> tuple[str, str] | None:
         return self._generations.get(generation_id, time.monotonic())
+
+    async def claim_feedback(self, tenant: str, feedback_id: str, content: str, ttl_s: float) -> str | None:
+        key, now = feedback_key(tenant, feedback_id), time.monotonic()
+        held = self._feedback.get(key, now)
+        if held is None:
+            self._feedback.put(key, content, now + _check_ttl(ttl_s) / 1000)
+        return held
+
+    async def release_feedback(self, tenant: str, feedback_id: str, content: str) -> None:
+        key = feedback_key(tenant, feedback_id)
+        if self._feedback.get(key, time.monotonic()) == content:
+            self._feedback.put(key, content, 0.0)
 
     async def get_pins(self) -> dict[str, int]:
         return dict(self._pins)
@@ -240,6 +270,14 @@ redis.call('PEXPIRE', KEYS[1], ARGV[2])
 return cur
 """
 
+# KEYS[1] feedback claim; ARGV[1] content. Deletes the claim only if it still holds that content.
+_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('DEL', KEYS[1])
+end
+return 0
+"""
+
 T = TypeVar("T")
 
 
@@ -268,6 +306,7 @@ class RedisState:
         )
         self._admit = self._redis.register_script(_ADMIT)
         self._pin = self._redis.register_script(_PIN)
+        self._release = self._redis.register_script(_RELEASE)
         self._pins_key = f"{self.prefix}pins"
 
     def _session(self, tenant: str, session_id: str) -> str:
@@ -309,6 +348,16 @@ class RedisState:
             return None
         tenant, session_id = json.loads(value)
         return tenant, session_id
+
+    @_guard
+    async def claim_feedback(self, tenant: str, feedback_id: str, content: str, ttl_s: float) -> str | None:
+        # SET NX GET (Redis >= 7.0): sets only when absent and returns what was there, in one step.
+        return await self._redis.set(self.prefix + feedback_key(tenant, feedback_id), content,
+                                     nx=True, get=True, px=_check_ttl(ttl_s))
+
+    @_guard
+    async def release_feedback(self, tenant: str, feedback_id: str, content: str) -> None:
+        await self._release(keys=[self.prefix + feedback_key(tenant, feedback_id)], args=[content])
 
     @_guard
     async def get_pins(self) -> dict[str, int]:

@@ -13,6 +13,9 @@ from typing import Any
 import httpx
 import pytest
 from fastapi.testclient import TestClient
+from hypothesis import HealthCheck, given
+from hypothesis import settings as hypothesis_settings
+from hypothesis import strategies as st
 
 from bench.upstream import running
 from flywheel.bus import make_bus
@@ -283,3 +286,162 @@ def test_hostile_bodies_get_a_400_never_a_500(tmp_path):
                                                  b'"signal": "task_solved", "value": NaN}')
         assert r.status_code == 400
     bus.close()
+
+
+# --- issue 21: the JSON policy at the edge, honest answers ----------------------------------------
+
+BIG = "9" * 4000
+
+
+def test_the_poison_pill_request_is_a_400_naming_the_field(client, bus, settings):
+    """The exact request that once stopped ingest for every tenant: an integer of 4,000 digits in
+    feedback ``data``. Then NaN/Infinity in every free-form field, and repeated keys."""
+    generation = _chat(client, "s-p")
+    raw = ('{"feedback_id":"d-bigint2","generation_id":"%s","kind":"custom","signal":"x","data":{"a":%s}}'
+           % (generation, BIG)).encode()
+    settings_limit = settings.gateway.max_body_bytes
+    assert len(raw) > settings_limit  # this fixture's body limit is small: send it where it fits
+    with TestClient(create_app(settings.model_copy(update={
+            "gateway": settings.gateway.model_copy(update={"max_body_bytes": 65536, "gateway_id": "gw-big"})}))) as big:
+        body = _envelope(big.post("/v1/feedback", content=raw), 400)
+        assert body["param"] == "data.a" and "4000 digits" in body["message"]
+    for path, raw in [
+        ("data.a", b'{"feedback_id":"n1","session_id":"s-p","kind":"custom","signal":"x","data":{"a":NaN}}'),
+        ("data.a.1", b'{"feedback_id":"n2","session_id":"s-p","kind":"custom","signal":"x","data":{"a":[1,Infinity]}}'),
+        ("data.a", b'{"feedback_id":"n3","session_id":"s-p","kind":"custom","signal":"x","data":{"a":1e400}}'),
+        ("force", b'{"force":false,"force":true}'),
+        ("metadata.x", b'{"messages":[{"role":"user","content":"x"}],"metadata":{"x":-Infinity}}'),
+        ("logit_bias.12", b'{"messages":[{"role":"user","content":"x"}],"logit_bias":{"12":NaN}}'),
+        ("frobnicate", b'{"messages":[{"role":"user","content":"x"}],"frobnicate":NaN}'),
+        ("messages.0.role", b'{"messages":[{"role":"user","role":"system","content":"x"}]}'),
+    ]:
+        route = "/v1/feedback" if b"feedback_id" in raw else "/v1/chat/completions"
+        error = _envelope(client.post(route, content=raw), 400)
+        assert error["param"] == path and error["code"] == "invalid_json", (raw, error)
+    seen = _drain(client, bus, settings, "g-poison")
+    assert len(seen[settings.topic("generations")]) == 1 and seen[settings.topic("feedback")] == []
+
+
+def test_a_conflicting_feedback_replay_is_a_409_with_what_is_stored(client, bus, settings):
+    generation = _chat(client, "s-r")
+    first = {"feedback_id": "c-1", "generation_id": generation, "kind": "explicit", "signal": "thumbs", "value": 1}
+    assert client.post("/v1/feedback", json=first).status_code == 202
+    assert client.post("/v1/feedback", json=first).status_code == 202  # an identical retry is harmless
+    for change in ({"value": -1}, {"kind": "implicit", "signal": "retry", "value": None}, {"data": {"k": 1}},
+                   {"generation_id": None, "session_id": "s-r"}):
+        r = client.post("/v1/feedback", json={**first, **change})
+        assert r.status_code == 409, r.text
+        body = r.json()
+        assert set(body) == {"error", "stored"}
+        assert body["error"]["code"] == "feedback_id_conflict" and body["error"]["param"] == "feedback_id"
+        assert body["stored"]["value"] == 1 and body["stored"]["generation_id"] == generation
+    # In a batch: the conflicting item is named, and nothing of the batch is accepted.
+    batch = {"feedback": [{**first, "feedback_id": "c-2"}, {**first, "value": 0}]}
+    conflict = client.post("/v1/feedback", json=batch)
+    assert conflict.status_code == 409 and conflict.json()["error"]["param"] == "feedback.1.feedback_id"
+    third = {**first, "feedback_id": "c-2", "value": -1}  # c-2 was released: it may carry anything now
+    assert client.post("/v1/feedback", json=third).status_code == 202
+    # A batch repeating one id is reported, even with identical items.
+    twice = {"feedback": [{**first, "feedback_id": "c-3"}, {**first, "feedback_id": "c-3"}]}
+    error = _envelope(client.post("/v1/feedback", json=twice), 400)
+    assert error["param"] == "feedback.1.feedback_id" and error["code"] == "duplicate_feedback_id"
+    seen = _drain(client, bus, settings, "g-replay")
+    stored = [FeedbackEvent.from_bytes(v) for v in seen[settings.topic("feedback")]]
+    assert {(e.feedback_id, e.value) for e in stored} == {("c-1", 1), ("c-2", -1)}
+
+
+def test_clearing_a_pin_takes_an_explicit_null(client):
+    assert _envelope(client.put("/admin/pins/acme", json={}), 400)["param"] == "version"
+    assert client.put("/admin/pins/acme", json={"version": None}).status_code == 200
+
+
+class _Captured:
+    """One gateway for every hypothesis example, and a consumer that reads what it shipped."""
+
+    def __init__(self, client: TestClient, bus: Any, settings: Any) -> None:
+        self.client, self.settings, self.count = client, settings, 0
+        self.consumer = bus.consumer("g-hypothesis", [settings.topic("generations"), settings.topic("feedback")])
+        self.session = "s-h"
+
+    def next(self) -> int:
+        self.count += 1
+        return self.count
+
+    def drain(self) -> dict[str, list[bytes]]:
+        wait_until("the spool to ship", lambda: self.client.get("/admin/capture").json()["events"] == 0, timeout_s=20)
+        seen: dict[str, list[bytes]] = {}
+        for _ in range(2):
+            records = self.consumer.poll(timeout_s=0.05, max_records=1000)
+            for record in records:
+                seen.setdefault(record.topic, []).append(record.value)
+            self.consumer.commit(records)
+        return seen
+
+
+@pytest.fixture(scope="module")
+def hyp_client(tmp_path_factory, upstream):
+    settings = load_settings(data_dir=str(tmp_path_factory.mktemp("hyp")),
+                             bus={"kind": "local", "partitions": 1, "topic_prefix": "h."},
+                             gateway={"upstream": upstream.url})
+    bus = make_bus(settings)
+    bus.ensure_topics([settings.topic("generations"), settings.topic("feedback")])
+    with TestClient(create_app(settings)) as client:
+        captured = _Captured(client, bus, settings)
+        _chat(client, captured.session)
+        captured.drain()
+        yield client, captured
+        captured.consumer.close()
+    bus.close()
+
+
+settings_for_hypothesis = hypothesis_settings(max_examples=120, deadline=None, derandomize=True,
+                                              suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+# Arbitrary JSON values (hypothesis) through every free-form field of the public API: a 4xx, or
+# accepted and then decodable by every consumer and stored and read back unchanged by the database
+# layer. Never a 5xx, never a record a consumer cannot read.
+_scalars = (st.none() | st.booleans() | st.integers(min_value=-(2**70), max_value=2**70)
+            | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=20)
+            | st.sampled_from(["\ud800", "a\udfffb", BIG[:30]]))
+_json_values = st.recursive(_scalars, lambda inner: st.lists(inner, max_size=4)
+                            | st.dictionaries(st.text(max_size=8), inner, max_size=4), max_leaves=12)
+
+
+@settings_for_hypothesis
+@given(value=_json_values, where=st.sampled_from(["extra", "logit_bias", "metadata", "data", "tool_args"]))
+def test_any_json_in_a_free_form_field_is_refused_or_readable_by_every_consumer(hyp_client, value, where):
+    from flywheel.db.session import json_dumps
+    from flywheel.jsonpolicy import db_loads
+    from flywheel.events import GenerationEvent
+
+    client, capture = hyp_client
+    if where == "data":
+        route, body = "/v1/feedback", {"feedback_id": f"h-{capture.next()}", "session_id": capture.session,
+                                       "kind": "custom", "signal": "x", "data": {"v": value}}
+    else:
+        body = {"messages": [{"role": "user", "content": "x"}]}
+        if where == "extra":
+            body["x_extra"] = value
+        elif where == "logit_bias":
+            body["logit_bias"] = {"12": value}
+        elif where == "metadata":
+            body["metadata"] = {"k": value}
+        else:
+            body["tools"] = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object",
+                                                                                         "default": value}}}]
+        route = "/v1/chat/completions"
+    try:
+        raw = json.dumps(body).encode("utf-8", "surrogatepass")
+    except ValueError:
+        return
+    r = client.post(route, content=raw, headers={"X-Flywheel-Session": capture.session})
+    assert r.status_code < 500, r.text
+    if r.status_code >= 400:
+        return
+    for topic, values in capture.drain().items():
+        kind = GenerationEvent if topic.endswith("generations") else FeedbackEvent
+        for v in values:
+            event = kind.from_bytes(v)  # every consumer decodes through this
+            dumped = json_dumps(event.model_dump(mode="json"))
+            assert db_loads(dumped) == json.loads(event.model_dump_json())
