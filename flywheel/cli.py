@@ -18,6 +18,7 @@ import threading
 from typing import Any, Callable
 
 from flywheel.health import ROLES as HEALTH_ROLES
+from flywheel.private import make_private, private_umask
 from flywheel.settings import Settings, SettingsError, load_settings
 
 #: role -> "module:function" taking (settings, stop)
@@ -174,6 +175,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The entry point of every flywheel process (the console script, ``python -m flywheel.cli``,
+    ``flywheel up``'s children): everything it creates is its owner's alone (flywheel/private.py)."""
+    private_umask()  # first, before anything is created
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
@@ -186,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     for chatty in ("httpx", "httpcore", "alembic", "kafka"):  # one line per request or per plugin
         logging.getLogger(chatty).setLevel(max(logging.WARNING, logging.getLogger().level))
+    make_private(settings.data_path)  # an existing data_dir; a new one is made under the umask
     from flywheel.db.session import DatabaseUnavailable
 
     try:

@@ -34,8 +34,9 @@ ALL_ROLES = ("node", "gateway", "ingest", "rewards", "trainer", "rollout")
 def prepare(settings: Settings) -> Settings:
     """Upgrade the database and build the default model; return settings that name the model dir."""
     from flywheel.db.session import upgrade, wait_for_db
+    from flywheel.private import make_private
 
-    settings.data_path.mkdir(parents=True, exist_ok=True)
+    make_private(settings.data_path, create=True)
     wait_for_db(settings.database_url, settings.db.wait_s)
     upgrade(settings.database_url)
     if not settings.model.path:

@@ -13,6 +13,20 @@ else ``408`` and the connection is closed; more than ``max_head_bytes`` without 
 ``431`` and closed. Bytes a client keeps sending after its response (a body the app never read)
 count as a head too, so they cannot hold a connection open either. Bodies are the app's to bound
 (``serving.protocol.read_json_body``'s deadline).
+
+Malformed requests (docs/security.md): what uvicorn's HTTP parser refuses (a NUL or other control
+character in a header, a negative or beyond-64-bit ``Content-Length``, ``Content-Length`` together
+with ``Transfer-Encoding``, a bad chunk size, a request line that is not HTTP) gets ``400`` with the
+OpenAI error envelope as ``application/json`` (code ``malformed_request``, the parser's reason as the
+message) instead of uvicorn's plain-text "Invalid HTTP request received.", and the connection is
+closed. Two cases cannot have it:
+- the parser fails while a response to an earlier request on the connection is being written (its
+  status line and headers are out; a pipelined or late-body error): another response would corrupt
+  that one's framing, so the connection is closed with nothing more written;
+- with h11 (uvicorn's fallback parser, used only where httptools is not installed, which the pinned
+  dependencies rule out) a ``Content-Length`` beyond 64 bits is a number like any other (the route's
+  body limit answers 413) and ``Content-Length`` with ``Transfer-Encoding: chunked`` is read as chunked
+  (RFC 9112 section 6.3): neither is a parser error there, so neither is a 400.
 """
 
 from __future__ import annotations
@@ -20,9 +34,11 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import socket
+import sys
 import threading
-from typing import Any
+from typing import Any, Literal
 
 import uvicorn
 
@@ -31,6 +47,10 @@ log = logging.getLogger(__name__)
 #: Bounds on a request's line and headers for every server (gateway settings may set their own).
 HEADER_TIMEOUT_S = 10.0
 MAX_HEAD_BYTES = 64 * 1024
+#: uvicorn's HTTP/1.1 parsers (``auto``: httptools when installed, else h11).
+Parser = Literal["auto", "httptools", "h11"]
+#: Where h11 starts quoting the request's bytes in its error messages.
+_QUOTED_BYTES = re.compile(r":?\s*(?:bytearray\(|\bb['\"])")
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -54,9 +74,22 @@ def _refusal(status: int, reason: str, message: str, code: str) -> bytes:
     return head.encode("ascii") + body
 
 
+def malformed_message(exc: BaseException | None) -> str:
+    """The message of a 400 for a request the HTTP parser refused: the parser's reason. httptools'
+    are fixed phrases (``Invalid header value char``); h11's end with the offending bytes
+    (``illegal header line: bytearray(b'...')``), which are dropped, so the answer never reflects
+    what the client sent. Printable ASCII only, at most 200 characters."""
+    reason = str(exc) if exc is not None else ""
+    if type(exc).__name__ == "HttpParserCallbackError":  # httptools: uvicorn's own callback failed on it
+        reason = "the request line or headers cannot be decoded"
+    reason = _QUOTED_BYTES.split(reason, maxsplit=1)[0]
+    reason = "".join(c if " " <= c <= "~" else "?" for c in reason)[:200].strip()
+    return f"malformed HTTP request: {reason}" if reason else "malformed HTTP request"
+
+
 def guarded_protocol(base: type[asyncio.Protocol], header_timeout_s: float, max_head_bytes: int) -> type:
-    """``base`` (uvicorn's HTTP/1.1 protocol) with a deadline and a size limit on request heads;
-    see the module docstring."""
+    """``base`` (uvicorn's HTTP/1.1 protocol) with a deadline and a size limit on request heads,
+    and the error envelope on the 400 for a malformed request; see the module docstring."""
 
     class Guarded(base):  # type: ignore[misc, valid-type]
         _head_timer: asyncio.TimerHandle | None = None
@@ -92,6 +125,18 @@ def guarded_protocol(base: type[asyncio.Protocol], header_timeout_s: float, max_
             if self._head_bytes_seen and self._at_boundary():
                 self.transport.write(_refusal(status, reason, message, code))
             log.info("closed a connection from %s: %s", (self.client or ("?",))[0], message)
+            self.transport.close()
+
+        def send_400_response(self, msg: str) -> None:
+            """uvicorn's answer to a request its parser refused (both of its HTTP/1.1 protocols call
+            it from the ``except`` that caught the parser's error, so that error is the one being
+            handled), as the error envelope; closes the connection as uvicorn's own does."""
+            self._disarm()
+            cycle = self.cycle
+            responding = cycle is not None and cycle.response_started and not cycle.response_complete
+            if not self.transport.is_closing() and not responding:
+                self.transport.write(_refusal(400, "Bad Request", malformed_message(sys.exc_info()[1]),
+                                              "malformed_request"))
             self.transport.close()
 
         def _head_timeout(self) -> None:
@@ -142,12 +187,18 @@ def guarded_protocol(base: type[asyncio.Protocol], header_timeout_s: float, max_
     return Guarded
 
 
-def http_protocol(header_timeout_s: float = HEADER_TIMEOUT_S, max_head_bytes: int = MAX_HEAD_BYTES) -> type:
-    """uvicorn's HTTP/1.1 protocol (httptools when installed, else h11, as uvicorn's ``auto``),
-    guarded by :func:`guarded_protocol`."""
-    try:
-        import httptools  # noqa: F401
-    except ImportError:  # pragma: no cover - httptools comes with uvicorn[standard]
+def http_protocol(header_timeout_s: float = HEADER_TIMEOUT_S, max_head_bytes: int = MAX_HEAD_BYTES,
+                  parser: Parser = "auto") -> type:
+    """uvicorn's HTTP/1.1 protocol (``auto``: httptools when installed, else h11, as uvicorn's own
+    ``auto``), guarded by :func:`guarded_protocol`."""
+    if parser == "auto":
+        try:
+            import httptools  # noqa: F401
+        except ImportError:  # pragma: no cover - httptools is a pinned dependency
+            parser = "h11"
+        else:
+            parser = "httptools"
+    if parser == "h11":
         from uvicorn.protocols.http.h11_impl import H11Protocol as base
     else:
         from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as base  # type: ignore[assignment]
@@ -166,14 +217,16 @@ def serve(
     graceful_timeout_s: float | None = None,
     header_timeout_s: float = HEADER_TIMEOUT_S,
     max_head_bytes: int = MAX_HEAD_BYTES,
+    parser: Parser = "auto",
 ) -> None:
     """Serve ``app`` until ``stop`` is set (or SIGINT/SIGTERM when run in the main thread); at
     shutdown in-flight requests get ``graceful_timeout_s`` to finish (None: as long as they need).
-    Request heads are bounded by ``header_timeout_s`` and ``max_head_bytes`` (module docstring)."""
+    Request heads are bounded by ``header_timeout_s`` and ``max_head_bytes``; ``parser`` picks
+    uvicorn's HTTP parser (module docstring)."""
     # log_config=None: uvicorn must not reconfigure the process's logging (the entry point owns it).
     config = uvicorn.Config(
         app, host=host, port=port, log_level=log_level.lower(), log_config=None, access_log=False, lifespan="on",
-        timeout_graceful_shutdown=graceful_timeout_s, http=http_protocol(header_timeout_s, max_head_bytes),
+        timeout_graceful_shutdown=graceful_timeout_s, http=http_protocol(header_timeout_s, max_head_bytes, parser),
     )
     server = uvicorn.Server(config)
     done = threading.Event()

@@ -288,7 +288,8 @@ def create_app(engine: Engine, updater: Any = None, settings: Settings | None = 
     node_id = settings.node.node_id
     max_body_bytes = settings.node.max_body_bytes
     body_timeout_s = settings.node.body_read_timeout_s
-    app = FastAPI(title=f"flywheel node {node_id}", docs_url=None, redoc_url=None)
+    # No trailing-slash redirects: their Location is built from the Host header (docs/security.md).
+    app = FastAPI(title=f"flywheel node {node_id}", docs_url=None, redoc_url=None, redirect_slashes=False)
     app.state.engine = engine
     app.state.updater = updater
     install_error_handlers(app)

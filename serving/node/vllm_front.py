@@ -441,8 +441,9 @@ def create_front(adapter: Any, gate: VersionGate, settings: Settings, updater: A
         finally:
             await front.close()
 
+    # No trailing-slash redirects: their Location is built from the Host header (docs/security.md).
     app = FastAPI(title=f"flywheel node {settings.node.node_id} (vLLM)", docs_url=None, redoc_url=None,
-                  lifespan=lifespan)
+                  lifespan=lifespan, redirect_slashes=False)
     app.state.front = front
     install_error_handlers(app)
 

@@ -50,7 +50,7 @@ from flywheel.db.session import make_engine, make_session_factory, upgrade
 from flywheel.events import FeedbackEvent, GenerationEvent
 from flywheel.keys import create_key
 from flywheel.settings import Settings, load_settings
-from tests.fixtures.roles import RoleThread, drain_capture, free_port, wait_until
+from tests.fixtures.roles import RoleThread, drain_capture, free_port, served_app, wait_until
 from tests.integration.test_store_s3 import BUCKET, s3, s3_endpoint  # noqa: F401  (moto fixtures)
 from tests.integration.test_tenancy_attacks import VersionEchoUpstream, _upstream
 
@@ -327,22 +327,8 @@ def _outbound_ip() -> str | None:
     return None if ipaddress.ip_address(ip).is_loopback else ip
 
 
-@contextlib.contextmanager
-def _served(app: Any, host: str) -> Iterator[str]:
-    from serving.server import bind, serve
-
-    stop, sock = threading.Event(), bind(host, 0)
-    url = f"http://{host}:{sock.getsockname()[1]}"
-    thread = threading.Thread(target=serve, args=(app,), daemon=True,
-                              kwargs={"host": host, "port": 0, "stop": stop, "sock": sock,
-                                      "header_timeout_s": HEADER_TIMEOUT_S})
-    thread.start()
-    try:
-        wait_until(f"{url} to serve", lambda: httpx.get(f"{url}/v1/models", timeout=2).status_code == 200)
-        yield url
-    finally:
-        stop.set()
-        thread.join(timeout=30)
+def _served(app: Any, host: str) -> contextlib.AbstractContextManager[str]:
+    return served_app(app, "/v1/models", host, header_timeout_s=HEADER_TIMEOUT_S)
 
 
 @dataclass
