@@ -15,6 +15,8 @@ One ``flywheel chaos`` run starts its own services and, per scenario, its own fl
   third of the requests streamed, feedback retried until the gateway accepts it; the gateway runs
   with ``auth = "on"``, each user with a tenant key, the harness with an admin key
   (:class:`chaos.fleet.ApiKeys`, created in the scenario's database before the fleet starts).
+- **poison** (:mod:`chaos.poison`): records a rogue producer writes onto the consumed topics, and
+  API requests the gateway must refuse (the ``poison`` scenario).
 
 A scenario (:mod:`chaos.run`): start the fleet -> traffic for ``seconds`` while its faults
 (:mod:`chaos.faults`) are injected -> heal -> settle (the spool drained, every session closed,

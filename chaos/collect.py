@@ -3,7 +3,9 @@
 :func:`settle` waits until the system caught up (the spool drained, everything received stored,
 every session closed, every trajectory scored); :func:`converge_nodes` lets the nodes reach the
 stable version; :func:`rescore` runs ``flywheel rewards rescore`` under a copy of the live spec;
-:func:`collect` reads the database, the node logs and the node watcher.
+:func:`collect` reads the database, the node logs, the node watcher and every dead-letter topic
+(:func:`dead_letters`; where a poison record has no dead letter, :func:`find_poison` looks for it
+on its own topic).
 """
 
 from __future__ import annotations
@@ -18,8 +20,11 @@ from typing import Any
 
 import httpx
 
+from chaos.diagnose import read_topic
 from chaos.fleet import NODES, Fleet, NodeWatcher, node_logs
-from chaos.invariants import Expectation, FeedbackRow, GenRow, ScoredRow, Snapshot, TrajectoryRow, VersionRow
+from chaos.invariants import (DeadLetter, Expectation, FeedbackRow, GenRow, PoisonRecord, ScoredRow, Snapshot,
+                              TrajectoryRow, VersionRow)
+from chaos.poison import HEADER, POISON_TENANT, TOPICS
 from chaos.services import wait_for
 from chaos.users import Users
 from flywheel.settings import Settings
@@ -28,10 +33,16 @@ log = logging.getLogger("flywheel.chaos")
 
 
 def _counts(engine: Any, spec: str | None) -> dict[str, int]:
-    from sqlalchemy import func, select
+    from sqlalchemy import and_, func, not_, select
 
     from flywheel.db.models import Feedback, Generation, ScoredTrajectoryRow, SessionState, Trajectory
 
+    # A session only poison named (feedback for a session no one served) ends ``empty``, not closed.
+    poisoned = and_(SessionState.tenant == POISON_TENANT, SessionState.status == "empty")
+    # Scores of stored revisions only: a stray score (of a trajectory ingest never stored) is
+    # ``scores_reproducible``'s to flag, not a reason to wait.
+    of_stored = and_(Trajectory.trajectory_id == ScoredTrajectoryRow.trajectory_id,
+                     Trajectory.revision == ScoredTrajectoryRow.revision)
     with engine.connect() as conn:
         def n(stmt: Any) -> int:
             return int(conn.scalar(stmt) or 0)
@@ -39,9 +50,10 @@ def _counts(engine: Any, spec: str | None) -> dict[str, int]:
         return {
             "generations": n(select(func.count()).select_from(Generation)),
             "feedback": n(select(func.count()).select_from(Feedback)),
-            "open": n(select(func.count()).select_from(SessionState).where(SessionState.status != "closed")),
+            "open": n(select(func.count()).select_from(SessionState).where(SessionState.status != "closed",
+                                                                           not_(poisoned))),
             "trajectories": n(select(func.count()).select_from(Trajectory)),
-            "scored": n(select(func.count()).select_from(ScoredTrajectoryRow)
+            "scored": n(select(func.count()).select_from(ScoredTrajectoryRow).join(Trajectory, of_stored)
                         .where(ScoredTrajectoryRow.reward_spec_version == spec)) if spec else 0,
         }
 
@@ -141,9 +153,51 @@ def _version_row(r: Any, rebuild_error: str | None) -> VersionRow:
                       metrics.get("publish_token"), rebuild_error)
 
 
+def _headers(record: Any) -> dict[str, str]:
+    return {k: (v or b"").decode("utf-8", errors="replace") for k, v in (record.headers or [])}
+
+
+def dead_letters(settings: Settings) -> list[DeadLetter]:
+    """Every record of the consumed topics' dead-letter topics (``<topic>.dlq``), read to the end."""
+    from kafka import KafkaConsumer
+
+    from flywheel.bus import DLQ_ORIGIN_OFFSET, DLQ_ORIGIN_PARTITION, DLQ_REASON, dlq_topic
+
+    bootstrap = settings.bus.bootstrap_servers
+    lister = KafkaConsumer(bootstrap_servers=bootstrap, group_id=None)
+    try:
+        existing = lister.topics()
+    finally:
+        lister.close(autocommit=False)
+    out = []
+    for name in TOPICS:
+        topic = dlq_topic(settings.topic(name))
+        if topic not in existing:  # nothing was ever dead-lettered from it
+            continue
+        for record in read_topic(bootstrap, topic):
+            headers = _headers(record)
+            out.append(DeadLetter(name, int(headers.get(DLQ_ORIGIN_PARTITION, -1)),
+                                  int(headers.get(DLQ_ORIGIN_OFFSET, -1)), headers.get(DLQ_REASON, ""),
+                                  headers.get(HEADER)))
+    return out
+
+
+def find_poison(settings: Settings, poison: list[PoisonRecord]) -> dict[str, list[str]]:
+    """Where each of ``poison`` is on its own topic (``feedback[2]@153``; a chunked record: each chunk)."""
+    wanted = {p.id for p in poison}
+    found: dict[str, list[str]] = {}
+    for name in sorted({p.topic for p in poison}):
+        for record in read_topic(settings.bus.bootstrap_servers, settings.topic(name)):
+            pid = _headers(record).get(HEADER)
+            if pid in wanted:
+                found.setdefault(pid, []).append(f"{name}[{record.partition}]@{record.offset}")
+    return found
+
+
 def collect(fleet: Fleet, users: Users, watcher: NodeWatcher, engine: Any, registry: Any, rescore_spec: str,
-            expectations: list[Expectation], settled: dict[str, Any]) -> Snapshot:
-    """Read the database, the node logs and the watcher into a :class:`Snapshot`."""
+            expectations: list[Expectation], settled: dict[str, Any],
+            poison: list[PoisonRecord] | None = None) -> Snapshot:
+    """Read the database, the node logs, the watcher and the dead-letter topics into a :class:`Snapshot`."""
     from sqlalchemy import select
 
     from flywheel.db.models import ModelVersion, RewardSpecRow, ScoredTrajectoryRow, SessionState, VersionTransition
@@ -178,9 +232,14 @@ def collect(fleet: Fleet, users: Users, watcher: NodeWatcher, engine: Any, regis
                 error = f"{type(exc).__name__}: {exc}"[:300]
         versions.append(_version_row(r, error))
     live_spec = next((v for v in specs if v != rescore_spec), "")
+    poison = list(poison or [])
+    letters = dead_letters(fleet.base)
+    lettered = {d.poison for d in letters}
+    missing = [p for p in poison if p.id not in lettered]
     return Snapshot(users.log, generations, feedback, session_status, trajectories, scored, live_spec, rescore_spec,
                     versions, ever_stable, promoted_at, {n: dict(v) for n, v in loaded.items()}, live,
-                    dict(watcher.last), expectations, settled)
+                    dict(watcher.last), expectations, settled, poison, letters,
+                    find_poison(fleet.base, missing) if missing else {})
 
 
 def reread(s: Snapshot, database_url: str) -> None:

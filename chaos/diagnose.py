@@ -16,7 +16,7 @@ from chaos.services import wait_for
 from flywheel.settings import Settings
 
 
-def _read_topic(bootstrap: str, topic: str, timeout_s: float = 30.0) -> list[Any]:
+def read_topic(bootstrap: str, topic: str, timeout_s: float = 30.0) -> list[Any]:
     """Every record of ``topic`` (no group): read each partition up to its high watermark."""
     from kafka import KafkaConsumer, TopicPartition
 
@@ -105,7 +105,7 @@ def diagnose(bootstrap: str, settings: Settings, lost: dict[str, list[Any]]) -> 
                                 for tp, meta in offsets.items()}
     finally:
         admin.close()
-    topics = {name: _read_topic(bootstrap, settings.topic(name)) for name in ("generations", "feedback", "trajectories")}
+    topics = {name: read_topic(bootstrap, settings.topic(name)) for name in ("generations", "feedback", "trajectories")}
     out: dict[str, Any] = {"committed": committed,
                            "log_holes": {name: gaps for name, records in topics.items() if (gaps := offset_gaps(records))}}
     sessions = {sid for sid, *_ in lost["generations"] + lost["feedback"]} | set(lost["open_sessions"])

@@ -3,7 +3,8 @@
 A fault function gets a :class:`Chaos` (the services, the fleet, the proxies, the users, a seeded
 random generator and the traffic window), injects its faults at moments in the window, writes what
 it did with :meth:`Chaos.note` and what each fault must cause with :meth:`Chaos.expect` (checked as
-``fault_checks``). It returns early once the scenario ends (:meth:`Chaos.at` is False).
+``fault_checks``); a fault that writes poison onto the bus lists it in :attr:`Chaos.poison` (checked
+as ``poison_dead_lettered``). It returns early once the scenario ends (:meth:`Chaos.at` is False).
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ import httpx
 
 from chaos.collect import registry_for
 from chaos.fleet import LOADED, NODES, WORKERS, Fleet, NodeWatcher
-from chaos.invariants import Expectation
+from chaos.invariants import Expectation, PoisonRecord
+from chaos.poison import API_POISON, IDENTICAL_REPLAY, RogueProducer, api_round
 from chaos.proxy import UpstreamFaults, UpstreamProxy
 from chaos.services import Services, SmallDisk, wait_for
 from chaos.users import Users
@@ -40,6 +42,7 @@ class Chaos:
         self.seconds, self.rng, self.disks = seconds, rng, disks
         self.faults: list[str] = []
         self.expectations: list[Expectation] = []
+        self.poison: list[PoisonRecord] = []  # what a rogue producer wrote and the broker acknowledged
         self.t0 = time.monotonic()
         self.stop = threading.Event()
 
@@ -553,6 +556,87 @@ def fault_upstream(c: Chaos) -> None:
              and broken["status"] + broken["stream"] > 0, f"proxy {dict(counts)}; client failures {dict(broken)}")
 
 
+def fault_poison(c: Chaos) -> None:
+    """Poison, while an ingest worker, a rewards worker and the trainer are each killed (-9) once
+    at a random moment and restarted after 0.2-2 s. Three rounds (at 10%, 40% and 70% of the
+    window): a rogue producer writes one record of every poison kind onto every consumed topic,
+    between the good records (``chaos.poison``: what each must become is ``poison_dead_lettered``),
+    and a tenant sends the poison API requests between good requests of its own: each must be
+    refused with a 4xx (never a 5xx, never accepted), an identical feedback replay accepted, and
+    the gateway must go on serving."""
+    rogue = RogueProducer(c.fleet.base, c.rng.getrandbits(32))
+    registry = c.registry()
+    statuses: dict[str, list[int]] = {label: [] for label in [*API_POISON, IDENTICAL_REPLAY]}
+    served_after: list[bool] = []
+
+    def bus() -> None:
+        for round_no, moment in enumerate((0.1, 0.4, 0.7)):
+            if not c.at(moment):
+                return
+            version = max((v.version for v in registry.versions()), default=0)
+            produced = rogue.round(round_no, version)
+            c.poison += produced
+            c.note(f"rogue producer: {len(produced)} poison records onto generations, feedback, trajectories, "
+                   f"scored (round {round_no + 1})")
+
+    def api() -> None:
+        keys = c.fleet.keys
+        headers = {"Authorization": f"Bearer {keys.tenants[0][1]}"} if keys is not None else {}
+        with httpx.Client(base_url=c.fleet.gateway_url, headers=headers, timeout=30.0) as client:
+            for round_no, moment in enumerate((0.12, 0.42, 0.72)):
+                if not c.at(moment):
+                    return
+                got, served = api_round(c.users, client, round_no)
+                for label, status in got.items():
+                    statuses[label].append(status)
+                served_after.append(served)
+                c.note(f"poison API requests (round {round_no + 1}): {sorted(set(got.values()))}"
+                       + ("" if got else ": the good requests before them failed, skipped"))
+
+    def kill(name: str) -> None:
+        down = c.rng.uniform(0.2, 2.0)
+        c.fleet.kill(name)
+        c.note(f"kill -9 {name}, restarted after {down:.1f}s")
+        c.sleep(down)
+        c.fleet.restart(name)
+
+    def guarded(fn: Callable[[], None]) -> Callable[[], None]:
+        def run() -> None:
+            try:
+                fn()
+            except Exception as exc:  # a poison round that could not be sent is a failed expectation
+                c.expect(f"poison: the {fn.__name__} rounds ran", False, f"{type(exc).__name__}: {exc}")
+        return run
+
+    threads = [threading.Thread(target=guarded(fn), name=f"chaos-poison-{fn.__name__}", daemon=True)
+               for fn in (bus, api)]
+    for t in threads:
+        t.start()
+    try:
+        roles = ["ingest", "rewards", "trainer"]
+        c.rng.shuffle(roles)
+        for role, moment in zip(roles, sorted(c.rng.uniform(0.1, 0.8) for _ in roles)):
+            if not c.at(moment):
+                break
+            kill(c.rng.choice(_instances(role)))
+    finally:
+        for t in threads:
+            t.join(300)
+        rogue.close()
+    c.expect("the rogue producer wrote poison onto every consumed topic",
+             {p.topic for p in c.poison} == {"generations", "feedback", "trajectories", "scored"},
+             f"{len(c.poison)} poison records acknowledged: {dict(Counter(p.topic for p in c.poison))}")
+    for label, want in API_POISON.items():
+        got = statuses[label]
+        c.expect(f"poison API: {label} is refused with a 4xx, never a 5xx", bool(got) and all(
+            400 <= s < 500 for s in got), f"answered {got} (a fixed gateway: {want})")
+    c.expect(f"poison API: {IDENTICAL_REPLAY} is accepted again (202)",
+             bool(statuses[IDENTICAL_REPLAY]) and all(s == 202 for s in statuses[IDENTICAL_REPLAY]),
+             f"answered {statuses[IDENTICAL_REPLAY]}")
+    c.expect("poison API: the gateway serves and accepts good requests after the poison",
+             bool(served_after) and all(served_after), f"rounds served after the poison: {served_after}")
+
+
 @dataclass(frozen=True)
 class Scenario:
     name: str
@@ -579,5 +663,6 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
              settings=CANARY_SETTINGS),
     Scenario("node_mid_update", "kill -9 node mid-update", fault_node_mid_update),
     Scenario("upstream_faults", "slow / erroring / disconnecting upstream", fault_upstream),
+    Scenario("poison", "rogue bus records + bad API requests; kill -9 ingest, rewards, trainer", fault_poison),
 )}
 QUICK = ("kill9", "upstream_faults")

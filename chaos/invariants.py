@@ -18,12 +18,16 @@
   version, or reports ``failed_update`` and serves an earlier stable one.
 - ``trainer_exactly_once``: no version published twice from one checkpoint, no trajectory in the
   ``trajectory_ids`` of two versions, none trained that is unknown or held out, no fork.
+- ``poison_dead_lettered``: every poison record a rogue producer wrote onto a consumed topic
+  (``chaos.poison``) is on that topic's dead-letter topic with a reason, or is accounted for by its
+  kind's documented rule (feedback naming ids that exist nowhere: stored, joined to nothing); no
+  good record is dead-lettered. Trivially true where no poison was produced and nothing dead-lettered.
 - ``recovered``: once the faults were healed, the system caught up within the settle timeout.
 - ``fault_checks``: what each fault must cause (the scenario's :class:`Expectation` list).
 
 ``lost`` counts client-acknowledged items missing downstream (responses without a generation row,
 accepted feedback neither joined nor expired, generations in no trajectory, revisions never
-scored); ``duplicated`` counts rows or trainings that exist more than once. :func:`lost_items`
+scored, good scored trajectories the trainer dead-lettered); ``duplicated`` counts rows or trainings that exist more than once. :func:`lost_items`
 lists the lost items for :func:`chaos.diagnose.diagnose`.
 """
 
@@ -99,6 +103,38 @@ class VersionRow:
     rebuild_error: str | None  # None: the store rebuilds it to its sha256 now (checked for served versions)
 
 
+#: What a poison record must become: dead-lettered by the stage that reads its topic, or (only for
+#: a valid event naming ids that exist nowhere, which no stage can tell from an early one) either
+#: that or stored with nothing joined to it (see ``check_poison``).
+DEAD_LETTER = "dead_letter"
+#: The stage that reads each consumed topic (and dead-letters what it cannot decode or apply).
+STAGES = {"generations": "ingest", "feedback": "ingest", "trajectories": "rewards", "scored": "trainer"}
+STORED_UNJOINED = "dead_letter_or_stored_unjoined"
+
+
+@dataclass(frozen=True)
+class PoisonRecord:
+    """One poison record the rogue producer wrote and the broker acknowledged (``chaos.poison``)."""
+
+    id: str  # the value of its ``chaos.poison`` header, which its dead letter keeps
+    topic: str  # the topic's short name: generations, feedback, trajectories, scored
+    kind: str  # chaos.poison.KINDS
+    rule: str  # DEAD_LETTER or STORED_UNJOINED
+    event_id: str | None = None  # the event it claims to be, where it parses as one
+    session_id: str | None = None
+
+
+@dataclass(frozen=True)
+class DeadLetter:
+    """One record of a ``<topic>.dlq`` topic, from its ``dlq.*`` headers."""
+
+    origin: str  # the short name of the topic it was read from (``dlq.origin_topic``)
+    partition: int
+    offset: int
+    reason: str
+    poison: str | None  # its ``chaos.poison`` header: None for a record no rogue wrote
+
+
 @dataclass
 class Snapshot:
     """Everything :func:`check` looks at: what the clients saw, the database, the nodes."""
@@ -120,6 +156,10 @@ class Snapshot:
     node_final: dict[str, dict[str, Any]]  # node -> its /health at the end
     expectations: list[Expectation]
     settle: dict[str, Any] = field(default_factory=dict)  # :func:`settle`'s figures
+    poison: list[PoisonRecord] = field(default_factory=list)  # what the rogue producer wrote
+    dead_letters: list[DeadLetter] = field(default_factory=list)  # every dead-letter topic, read to the end
+    #: poison id -> where it is on its own topic (``feedback[2]@153``), for those no dead letter names.
+    poison_found: dict[str, list[str]] = field(default_factory=dict)
 
 
 @dataclass
@@ -133,6 +173,14 @@ class InvariantResult:
 
 def _dups(counter: Counter[Any]) -> int:
     return sum(n - 1 for n in counter.values() if n > 1)
+
+
+def _open_sessions(s: Snapshot) -> list[str]:
+    """Sessions not closed, but for those only poison named that ended ``empty`` (feedback naming a
+    session that does not exist: no generation ever arrives, ``poison_dead_lettered`` accounts)."""
+    poisoned = {p.session_id for p in s.poison}
+    return [sid for sid, (status, _) in s.session_status.items()
+            if status != "closed" and not (status == "empty" and sid in poisoned)]
 
 
 def _newest(s: Snapshot) -> dict[str, TrajectoryRow]:
@@ -203,7 +251,7 @@ def check_trajectories(s: Snapshot) -> InvariantResult:
             incomplete.append(sid)
     in_two = _dups(owner)
     untrajectoried = [gid for sid, gids in by_session.items() for gid in gids if sid not in newest]
-    open_sessions = [sid for sid, (status, _) in s.session_status.items() if status != "closed"]
+    open_sessions = _open_sessions(s)
     state_mismatch = [sid for sid, traj in newest.items()
                       if s.session_status.get(sid, ("", -1))[1] != traj.revision]
     duplicated = extra_ids + dup_revisions + in_two
@@ -324,6 +372,65 @@ def check_trainer(s: Snapshot) -> InvariantResult:
     return InvariantResult("trainer_exactly_once", ok, detail, duplicated=duplicated)
 
 
+def check_poison(s: Snapshot) -> InvariantResult:
+    """Every poison record is dead-lettered from its own topic with a reason, or, where its rule
+    allows (``STORED_UNJOINED``), stored as feedback joined to no trajectory in a session that has
+    none; no record without a ``chaos.poison`` header is dead-lettered. A good scored trajectory
+    the trainer dead-lettered counts as lost here (no other invariant sees it); a good record of
+    another topic dead-lettered is counted lost by ``captured``, ``feedback_joined`` or
+    ``scores_reproducible``, and only flagged here."""
+    if not s.poison and not s.dead_letters:
+        return InvariantResult("poison_dead_lettered", True, "no poison produced, nothing dead-lettered")
+    letters: dict[str, list[DeadLetter]] = defaultdict(list)
+    good: dict[tuple[str, int, int], DeadLetter] = {}  # a record dead-lettered twice (redelivered) is one
+    for d in s.dead_letters:
+        if d.poison is None:
+            good.setdefault((d.origin, d.partition, d.offset), d)
+        else:
+            letters[d.poison].append(d)
+    feedback = {f.event_id: f for f in s.feedback}
+    joined = {f.get("event_id") for t in s.trajectories for f in t.payload.get("feedback", [])}
+    with_trajectory = {t.session_id for t in s.trajectories}
+    outcomes: Counter[str] = Counter()
+    unaccounted = []
+    for p in s.poison:
+        if any(d.origin == p.topic and d.reason.strip() for d in letters.get(p.id, [])):
+            outcomes["dead-lettered"] += 1
+            continue
+        row = feedback.get(p.event_id or "")
+        if (p.rule == STORED_UNJOINED and row is not None and row.state != "joined" and p.event_id not in joined
+                and p.session_id not in with_trajectory):
+            outcomes[f"stored as {row.state} feedback, in no trajectory"] += 1
+            continue
+        where = s.poison_found.get(p.id)
+        unaccounted.append(f"{p.kind} on {p.topic}, not dead-lettered by {STAGES.get(p.topic, '?')} ({p.id}"
+                           f"{', at ' + ' '.join(where) if where else ''}"
+                           f"{', stored as ' + row.state + ' feedback' if row is not None else ''})")
+    produced = {p.id for p in s.poison}
+    unrecorded = sorted(pid for pid in letters if pid not in produced)
+    good_scored = [key for key in good if key[0] == "scored"]
+    ok = not unaccounted and not good
+    per_topic = Counter(p.topic for p in s.poison)
+    detail = (f"{len(s.poison)} poison records ({dict(per_topic)}): {dict(outcomes)}; {len(unaccounted)} unaccounted "
+              f"{unaccounted[:8]}; {len(good)} good records dead-lettered "
+              f"{[f'{d.origin}[{d.partition}]@{d.offset}: {d.reason[:100]}' for d in list(good.values())[:3]]}"
+              + (f"; {len(unrecorded)} dead-lettered poison not recorded as produced (its flush failed)"
+                 if unrecorded else ""))
+    return InvariantResult("poison_dead_lettered", ok, detail, lost=len(good_scored))
+
+
+def dead_letter_reasons(s: Snapshot) -> dict[str, Any]:
+    """For the report: how many records each topic dead-lettered, and per poison (topic, kind) the
+    reason its first dead letter gives (or what became of it)."""
+    kinds = {p.id: f"{p.topic}/{p.kind}" for p in s.poison}
+    reasons: dict[str, str] = {}
+    for d in s.dead_letters:
+        reasons.setdefault(kinds.get(d.poison or "", f"{d.origin}/good record"), d.reason[:160])
+    for label in sorted(set(kinds.values()) - set(reasons)):
+        reasons[label] = "not dead-lettered"
+    return {"per_topic": dict(Counter(d.origin for d in s.dead_letters)), "reasons": dict(sorted(reasons.items()))}
+
+
 def check_recovered(s: Snapshot) -> InvariantResult:
     """Liveness, next to the safety invariants: once the faults were healed, the system caught up
     (spool drained, everything received stored, sessions closed, trajectories scored) in time."""
@@ -341,7 +448,7 @@ def check_expectations(s: Snapshot) -> InvariantResult:
 
 
 CHECKS = (check_captured, check_feedback, check_trajectories, check_scores, check_weights, check_rollout,
-          check_trainer, check_recovered, check_expectations)
+          check_trainer, check_poison, check_recovered, check_expectations)
 
 
 def check(s: Snapshot) -> list[InvariantResult]:
@@ -358,7 +465,7 @@ def lost_items(s: Snapshot) -> dict[str, list[Any]]:
         "generations": sorted((r.session_id, gid) for gid, r in s.client.received.items() if gid not in gens),
         "feedback": sorted((sid, fid, fbs.get(fid)) for fid, sid in s.client.feedback.items()
                            if fbs.get(fid) not in ("joined", "expired")),
-        "open_sessions": sorted(sid for sid, (status, _) in s.session_status.items() if status != "closed"),
+        "open_sessions": sorted(_open_sessions(s)),
         "unscored": sorted((t.session_id, t.trajectory_id, t.revision) for t in s.trajectories
                            if (t.trajectory_id, t.revision) not in live),
     }

@@ -80,7 +80,7 @@ def format_details(results: list[ScenarioResult]) -> str:
             out.append(f"  {'ok  ' if inv.ok else 'FAIL'}   {inv.name}: {inv.detail}")
         if r.error:
             out.append(f"  ERROR  {r.error}")
-        for key in ("settle", "crashes", "client_errors", "lost_items", "diagnosis", "groups"):
+        for key in ("settle", "crashes", "client_errors", "dead_letters", "lost_items", "diagnosis", "groups"):
             if r.figures.get(key):
                 out.append(f"  {key}: {r.figures[key]}")
     return "\n".join(out)

@@ -26,7 +26,7 @@ from chaos.collect import collect, converge_nodes, registry_for, reread, rescore
 from chaos.diagnose import diagnose, probe_groups
 from chaos.faults import QUICK, SCENARIOS, Chaos, Scenario
 from chaos.fleet import CHAOS_OVERRIDES, NODES, ApiKeys, Fleet, NodeWatcher
-from chaos.invariants import InvariantResult, Snapshot, check, lost_items
+from chaos.invariants import InvariantResult, Snapshot, check, dead_letter_reasons, lost_items
 from chaos.proxy import UpstreamFaults, UpstreamProxy
 from chaos.report import ScenarioResult, format_details, format_table
 from chaos.services import ChaosSetupError, Services, SmallDisk, free_port
@@ -164,6 +164,8 @@ class ChaosRun:
             result.events = len(snapshot.client.received) + len(snapshot.client.feedback)
             result.lost = sum(r.lost for r in result.invariants)
             result.duplicated = sum(r.duplicated for r in result.invariants)
+            if snapshot.poison or snapshot.dead_letters:
+                result.figures["dead_letters"] = dead_letter_reasons(snapshot)
             lost = lost_items(snapshot)
             if any(lost.values()):
                 result.figures["lost_items"] = {k: v[:10] for k, v in lost.items() if v}
@@ -221,7 +223,7 @@ class ChaosRun:
             result.figures["client_errors"] = users.log.errors()
             result.figures["proxy"] = {n: dict(p.counts) for n, p in proxies.items()}
             return collect(fleet, users, watcher, engine, registry, rescore_spec, chaos.expectations,
-                           result.figures["settle"])
+                           result.figures["settle"], chaos.poison)
         finally:
             engine.dispose()
 

@@ -119,20 +119,22 @@ class Users:
         for attempt in range(behaviour.max_attempts):
             if self._stop.is_set():
                 return
-            got = self._chat(client, session_id, messages, stream=rng.random() < 1 / 3)
+            got = self.chat(client, session_id, messages, stream=rng.random() < 1 / 3)
             if got is None:
                 self._stop.wait(0.3)
                 return
             text, generation_id = got
             reaction = react(rng, behaviour, is_correct(problem, text), attempt, generation_id)
-            self._feedback(client, session_id, reaction.feedback)
+            self.feedback(client, session_id, reaction.feedback)
             self._stop.wait(rng.uniform(*self.think_s))
             if not reaction.retry:
                 return
             messages = messages + [{"role": "assistant", "content": text}, {"role": "user", "content": RETRY_MESSAGE}]
 
-    def _chat(self, client: httpx.Client, session_id: str, messages: list[dict[str, str]],
-              stream: bool) -> tuple[str, str] | None:
+    def chat(self, client: httpx.Client, session_id: str, messages: list[dict[str, str]],
+             stream: bool) -> tuple[str, str] | None:
+        """One completion in ``session_id``: (its text, its generation id) once received, else None
+        (a :class:`Failure` logged)."""
         body = {"model": self.model_line, "messages": messages, "max_tokens": self.max_tokens, "temperature": 1.0,
                 "stream": stream}
         headers = {SESSION_HEADER: session_id}
@@ -176,10 +178,12 @@ class Users:
             self.log.received[generation_id] = Received(session_id, generation_id, version, stream)
         return text, generation_id
 
-    def _feedback(self, client: httpx.Client, session_id: str, items: list[dict[str, Any]]) -> None:
-        """POST until accepted (202); a retried batch is safe (feedback ids are idempotency keys)."""
+    def feedback(self, client: httpx.Client, session_id: str,
+                 items: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
+        """POST until accepted (202); a retried batch is safe (feedback ids are idempotency keys).
+        Returns the items as accepted (with their ``feedback_id`` and ``session_id``), else None."""
         if not items:
-            return
+            return None
         batch = [dict(item, feedback_id=uuid.uuid4().hex, session_id=session_id) for item in items]
         deadline = time.monotonic() + 60.0
         while time.monotonic() < deadline:
@@ -191,14 +195,15 @@ class Users:
             if r.status_code == 202:
                 with self.log.lock:
                     self.log.feedback.update({item["feedback_id"]: session_id for item in batch})
-                return
+                return batch
             if r.status_code < 500 and r.status_code != 429:
                 with self.log.lock:
                     self.log.feedback_refused[f"{r.status_code} {_error_code(r.content)}"] += 1
-                return
+                return None
             time.sleep(0.5)
         with self.log.lock:
             self.log.feedback_refused["gave up after 60 s"] += 1
+        return None
 
 
 def _error_code(raw: bytes) -> str:

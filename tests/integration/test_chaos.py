@@ -69,6 +69,8 @@ def test_kill9_every_role_type_keeps_every_invariant(kill9: Outcome) -> None:
     assert killed == {"gateway", "node", "ingest", "rewards", "trainer", "rollout"}, result.faults
     assert kill9.snapshot is not None
     assert [e.ok for e in kill9.snapshot.expectations if e.name.startswith("auth on")] == [True]
+    # No poison in kill9, and no good record dead-lettered (every dead-letter topic read, none exists).
+    assert by_name(result.invariants)["poison_dead_lettered"].detail == "no poison produced, nothing dead-lettered"
 
 
 def test_rollout_safe_flags_a_version_served_before_it_was_canary_or_stable(kill9: Outcome) -> None:
