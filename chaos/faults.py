@@ -90,16 +90,18 @@ def _each_role_type(c: Chaos, act: Callable[[str], None]) -> None:
         act(c.rng.choice(_instances(role)))
 
 
+def kill_and_restart(c: Chaos, name: str) -> None:
+    """kill -9 ``name``, restart it 0.2-2 s later."""
+    down = c.rng.uniform(0.2, 2.0)
+    c.fleet.kill(name)
+    c.note(f"kill -9 {name}, restarted after {down:.1f}s")
+    c.sleep(down)
+    c.fleet.restart(name)
+
+
 def fault_kill9(c: Chaos) -> None:
     """kill -9 one process of every role type at random moments, each restarted after 0.2-2 s."""
-    def kill(name: str) -> None:
-        down = c.rng.uniform(0.2, 2.0)
-        c.fleet.kill(name)
-        c.note(f"kill -9 {name}, restarted after {down:.1f}s")
-        c.sleep(down)
-        c.fleet.restart(name)
-
-    _each_role_type(c, kill)
+    _each_role_type(c, lambda name: kill_and_restart(c, name))
 
 
 def fault_sigterm(c: Chaos) -> None:
@@ -593,13 +595,6 @@ def fault_poison(c: Chaos) -> None:
                 c.note(f"poison API requests (round {round_no + 1}): {sorted(set(got.values()))}"
                        + ("" if got else ": the good requests before them failed, skipped"))
 
-    def kill(name: str) -> None:
-        down = c.rng.uniform(0.2, 2.0)
-        c.fleet.kill(name)
-        c.note(f"kill -9 {name}, restarted after {down:.1f}s")
-        c.sleep(down)
-        c.fleet.restart(name)
-
     def guarded(fn: Callable[[], None]) -> Callable[[], None]:
         def run() -> None:
             try:
@@ -618,7 +613,7 @@ def fault_poison(c: Chaos) -> None:
         for role, moment in zip(roles, sorted(c.rng.uniform(0.1, 0.8) for _ in roles)):
             if not c.at(moment):
                 break
-            kill(c.rng.choice(_instances(role)))
+            kill_and_restart(c, c.rng.choice(_instances(role)))
     finally:
         for t in threads:
             t.join(300)
