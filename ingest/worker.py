@@ -86,7 +86,7 @@ from sqlalchemy.exc import DataError, IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
 from flywheel.bus import Consumer, Producer, Record, make_bus, partition_for_key
-from flywheel.bus.base import BAD_RECORD, stay_in_group
+from flywheel.bus.base import BAD_RECORD, route_to_dlq, stay_in_group
 from flywheel.bus.envelope import Reassembler
 from flywheel.db.models import Feedback, Generation
 from flywheel.db.session import OutageWait, make_session_factory, open_database
@@ -190,10 +190,7 @@ class Ingestor:
         return event
 
     def _dead_letter(self, record: Record, consumer: Consumer, reason: str) -> None:
-        reason = reason[:1000]
-        consumer.dead_letter(record, reason)
-        self.counters["dead_lettered"] += 1
-        log.warning("dead-lettered %s[%d]@%d: %s", record.topic, record.partition, record.offset, reason[:200])
+        route_to_dlq(consumer, record, reason, self.counters, log)
 
     def _apply(self, events: Sequence[Event]) -> list[TrajectoryEvent]:
         """One transaction: lock the sessions, store the new events, apply them in order, close.

@@ -40,7 +40,7 @@ from sqlalchemy.exc import DataError, IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
 from flywheel.bus import Consumer, Producer, Record, make_bus
-from flywheel.bus.base import BAD_RECORD, stay_in_group
+from flywheel.bus.base import BAD_RECORD, route_to_dlq, stay_in_group
 from flywheel.db.session import OutageWait, make_session_factory, open_database
 from flywheel.events import ScoredTrajectory, TrajectoryEvent
 from flywheel.health import Beat
@@ -85,13 +85,14 @@ def process(
         try:
             decoded.append((record, TrajectoryEvent.from_bytes(record.value)))
         except ValueError as exc:
-            _dead_letter(consumer, record, f"undecodable TrajectoryEvent: {exc}", counters)
+            route_to_dlq(consumer, record, f"undecodable TrajectoryEvent: {exc}", counters, log)
     if require_stored and decoded:
         with sessions() as db:
             known = store.stored_trajectories(db, (traj.event_id for _, traj in decoded))
         for record, traj in [(r, t) for r, t in decoded if t.event_id not in known]:
-            _dead_letter(consumer, record, f"unknown TrajectoryEvent: ingest stored no trajectory {traj.trajectory_id!r} "
-                         f"revision {traj.revision} (event {traj.event_id}): not from ingest", counters)
+            route_to_dlq(consumer, record, f"unknown TrajectoryEvent: ingest stored no trajectory "
+                         f"{traj.trajectory_id!r} revision {traj.revision} (event {traj.event_id}): not from ingest",
+                         counters, log)
         decoded = [(r, t) for r, t in decoded if t.event_id in known]
     batch: dict[str, tuple[TrajectoryEvent, RewardOutput, Record]] = {}
     for record, traj in decoded:
@@ -100,7 +101,8 @@ def process(
             try:
                 rewards = scorer(traj)
             except BAD_RECORD as exc:  # a builder (or the judge's parser) cannot score this trajectory
-                _dead_letter(consumer, record, f"unscorable TrajectoryEvent: {type(exc).__name__}: {exc}", counters)
+                route_to_dlq(consumer, record, f"unscorable TrajectoryEvent: {type(exc).__name__}: {exc}",
+                             counters, log)
                 continue
             batch[event_id] = (traj, rewards, record)
             if beat is not None:
@@ -119,7 +121,8 @@ def process(
             try:
                 out += _store({event_id: item}, sessions, scorer, normaliser, counters)
             except (DataError, IntegrityError, *BAD_RECORD) as one:
-                _dead_letter(consumer, item[2], f"unstorable ScoredTrajectory: {type(one).__name__}: {one}", counters)
+                route_to_dlq(consumer, item[2], f"unstorable ScoredTrajectory: {type(one).__name__}: {one}",
+                             counters, log)
                 _restore(sessions, scorer.spec, normaliser, restore_rows)
     for s, text in out:  # re-produced even when not new: the previous attempt may have died before its flush
         if not s.held_out:
@@ -163,13 +166,6 @@ def _restore(sessions: sessionmaker[Session], spec: RewardSpec, normaliser: Norm
     normaliser.reset()
     with sessions() as db, db.begin():
         store.restore_normaliser(db, normaliser, spec.version, rows)
-
-
-def _dead_letter(consumer: Consumer, record: Record, reason: str, counters: Counter[str]) -> None:
-    reason = reason[:1000]
-    consumer.dead_letter(record, reason)
-    counters["dead_lettered"] += 1
-    log.warning("dead-lettered %s[%d]@%d: %s", record.topic, record.partition, record.offset, reason[:200])
 
 
 def _prepare(sessions: sessionmaker[Session], spec: RewardSpec, restore_rows: int) -> tuple[Normaliser, int]:

@@ -260,7 +260,6 @@ async def read_json_body(request: Request, limit: int, timeout_s: float | None =
                        code="invalid_json") from None
 
 
-
 def check_session_id(value: str) -> str:
     """A client-chosen session id, or a 400 if it is too long or not printable."""
     if len(value) > 256:

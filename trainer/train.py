@@ -67,6 +67,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from flywheel.bus import Record, make_bus
+from flywheel.bus.base import route_to_dlq
 from flywheel.db.models import ScoredTrajectoryRow
 from flywheel.db.session import make_session_factory, open_database
 from flywheel.events import ScoredTrajectory
@@ -232,11 +233,8 @@ def _train(settings: Settings, stop: threading.Event, dist: Dist) -> None:
                       if offsets.track(r)]  # not tracked: redelivered after a restart; the checkpoint holds its fate
             for record, sample, problem in vet(polled, settings.model.line, vocab_size,
                                                scored_rows if cfg.require_stored else None):
-                if problem is not None:
-                    consumer.dead_letter(record, problem)
-                    buffer.dropped["dead_lettered"] += 1  # in the version's metrics as dropped_dead_lettered
-                    log.warning("dead-lettered %s[%d]@%d: %s", record.topic, record.partition, record.offset,
-                                problem[:200])
+                if problem is not None:  # counted in the version's metrics as dropped_dead_lettered
+                    route_to_dlq(consumer, record, problem, buffer.dropped, log)
                     offsets.done(record)
                     continue
                 if buffer.add(sample, record, current) is not None:
@@ -321,16 +319,18 @@ def vet(records: list[Record], model_line: str, vocab_size: int,
         try:
             sample = ScoredTrajectory.from_bytes(record.value)
         except ValueError as exc:
-            out.append((record, None, f"undecodable ScoredTrajectory: {exc}"[:1000]))
+            out.append((record, None, f"undecodable ScoredTrajectory: {exc}"))
             continue
         out.append((record, sample, untrainable(sample, model_line, vocab_size)))
     wanted = sorted({s.event_id for _, s, problem in out if s is not None and problem is None})
-    if sessions is not None and wanted:
-        with sessions() as db:
-            known = set(db.scalars(select(ScoredTrajectoryRow.event_id).where(ScoredTrajectoryRow.event_id.in_(wanted))))
-        out = [(r, s, f"unknown ScoredTrajectory: no rewards worker stored {s.trajectory_id!r} revision {s.revision} "
-                      f"(event {s.event_id}): not from rewards")
-               if s is not None and p is None and s.event_id not in known else (r, s, p) for r, s, p in out]
+    if sessions is None or not wanted:
+        return out
+    with sessions() as db:
+        known = set(db.scalars(select(ScoredTrajectoryRow.event_id).where(ScoredTrajectoryRow.event_id.in_(wanted))))
+    for i, (record, sample, problem) in enumerate(out):
+        if sample is not None and problem is None and sample.event_id not in known:
+            out[i] = (record, sample, f"unknown ScoredTrajectory: no rewards worker stored {sample.trajectory_id!r} "
+                                      f"revision {sample.revision} (event {sample.event_id}): not from rewards")
     return out
 
 

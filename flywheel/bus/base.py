@@ -25,6 +25,8 @@ Semantics both backends guarantee, checked by one conformance suite (tests/integ
 
 from __future__ import annotations
 
+import logging
+from collections.abc import MutableMapping
 from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
@@ -102,6 +104,17 @@ class BusError(Exception):
 BAD_RECORD: tuple[type[Exception], ...] = (
     ValueError, TypeError, KeyError, IndexError, ArithmeticError, RecursionError, UnicodeError,
 )
+
+
+def route_to_dlq(consumer: Consumer, record: Record, reason: str, counters: MutableMapping[str, int],
+                 log: logging.Logger) -> None:
+    """What every worker does with a record it cannot decode or apply: ``dead_letter`` it with
+    ``reason`` (at most 1,000 characters), count it in ``counters["dead_lettered"]`` and log it; the
+    caller still commits it."""
+    reason = reason[:1000]
+    consumer.dead_letter(record, reason)
+    counters["dead_lettered"] = counters.get("dead_lettered", 0) + 1
+    log.warning("dead-lettered %s[%d]@%d: %s", record.topic, record.partition, record.offset, reason[:200])
 
 
 def stay_in_group(consumer: Consumer) -> None:

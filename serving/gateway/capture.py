@@ -361,13 +361,14 @@ def feedback_problem(item: FeedbackItem) -> str | None:
     return None
 
 
-def feedback_content(event: FeedbackEvent) -> str:
-    """What a client chose for one feedback id, as canonical JSON (sorted keys, no ids the gateway
-    derived, no time): two submissions of one feedback id are the same signal iff this is equal."""
-    return orjson.dumps(event.model_dump(mode="json", include=_FEEDBACK_CONTENT), option=orjson.OPT_SORT_KEYS).decode()
-
-
+#: What a client chooses for a feedback id (not the ids the gateway derives, not the time).
 _FEEDBACK_CONTENT = {"feedback_id", "session_id", "generation_id", "kind", "signal", "value", "comment", "data"}
+
+
+def feedback_content(event: FeedbackEvent) -> str:
+    """What a client chose for one feedback id, as canonical JSON (sorted keys): two submissions
+    of one feedback id are the same signal iff this is equal."""
+    return orjson.dumps(event.model_dump(mode="json", include=_FEEDBACK_CONTENT), option=orjson.OPT_SORT_KEYS).decode()
 
 
 def feedback_event(item: FeedbackItem, *, tenant: str, session_id: str) -> FeedbackEvent:

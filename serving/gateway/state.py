@@ -157,6 +157,9 @@ class _TTLMap:
         while len(self._items) > self.max_entries:
             self._items.popitem(last=False)
 
+    def pop(self, key: str) -> None:
+        self._items.pop(key, None)
+
     def touch(self, key: str, expires: float) -> None:
         entry = self._items.get(key)
         if entry is not None:
@@ -217,7 +220,7 @@ class MemoryState:
     async def release_feedback(self, tenant: str, feedback_id: str, content: str) -> None:
         key = feedback_key(tenant, feedback_id)
         if self._feedback.get(key, time.monotonic()) == content:
-            self._feedback.put(key, content, 0.0)
+            self._feedback.pop(key)
 
     async def get_pins(self) -> dict[str, int]:
         return dict(self._pins)

@@ -50,7 +50,7 @@ from flywheel.db.session import make_engine, make_session_factory, upgrade
 from flywheel.events import FeedbackEvent, GenerationEvent
 from flywheel.keys import create_key
 from flywheel.settings import Settings, load_settings
-from tests.fixtures.roles import RoleThread, drain_capture, free_port, served_app, wait_until
+from tests.fixtures.roles import RoleThread, drain_capture, free_port, raw_exchange, served_app, wait_until
 from tests.integration.test_store_s3 import BUCKET, s3, s3_endpoint  # noqa: F401  (moto fixtures)
 from tests.integration.test_tenancy_attacks import VersionEchoUpstream, _upstream
 
@@ -208,18 +208,6 @@ def _thumbs(feedback_id: str, **target: Any) -> dict[str, Any]:
 def _error(response: httpx.Response, *statuses: int) -> dict[str, Any]:
     assert response.status_code in statuses, (response.status_code, response.text[:500])
     return response.json()["error"]
-
-
-def _raw(address: tuple[str, int], data: bytes, timeout_s: float = 5.0) -> bytes:
-    """Send ``data`` on a fresh connection and read until the server closes it (or ``timeout_s``)."""
-    received = []
-    with socket.create_connection(address, timeout=timeout_s) as sock:
-        with contextlib.suppress(OSError):
-            sock.sendall(data)
-        with contextlib.suppress(OSError):
-            while chunk := sock.recv(65536):
-                received.append(chunk)
-    return b"".join(received)
 
 
 def _log_text(caplog: pytest.LogCaptureFixture) -> str:
@@ -394,7 +382,7 @@ def test_admin_routes_without_a_credential_answer_only_their_own_host(stack: Sta
         assert admin.post("/admin/update_weights", json={}).status_code == 404
     for path in (b"/v1/../admin/update_weights", b"/v1/chat/completions/../../admin/update_weights",
                  b"/v1/%2e%2e/admin/update_weights", b"//admin/update_weights"):
-        answer = _raw(stack.address, b"POST " + path + b" HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+        answer = raw_exchange(stack.address, b"POST " + path + b" HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
                       + stack.keys["admin"].encode() + b"\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{}")
         assert answer.split(b"\r\n", 1)[0] in (b"HTTP/1.1 404 Not Found", b"HTTP/1.1 400 Bad Request"), answer[:200]
     assert stack.upstream.received == received
@@ -536,7 +524,7 @@ def _as_received(payload: str) -> str:
 def _nul_header(stack: Stack, path: bytes, name: bytes, value: bytes, key: str) -> bytes:
     """A request with a NUL in a header, sent raw (clients refuse to): the HTTP parser refuses it."""
     body = json.dumps({"messages": [{"role": "user", "content": "x"}]}).encode()
-    return _raw(stack.address, b"POST " + path + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    return raw_exchange(stack.address, b"POST " + path + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                 + b"Authorization: Bearer " + key.encode() + b"\r\n" + name + b": " + value + b"\r\n"
                 + b"Content-Length: " + str(len(body)).encode() + b"\r\nConnection: close\r\n\r\n" + body)
 
@@ -891,7 +879,7 @@ def test_oversized_and_deeply_nested_bodies_are_refused_with_4xx(stack: Stack, n
     # A Content-Length beyond any limit (and beyond 64 bits), for a two-byte body.
     address = urlsplit(base).hostname or "", urlsplit(base).port or 0
     auth = f"Authorization: {headers['Authorization']}\r\n".encode() if route.who else b""
-    answer = _raw(address, f"{route.method} {route.path} HTTP/1.1\r\nHost: x\r\n".encode() + auth
+    answer = raw_exchange(address, f"{route.method} {route.path} HTTP/1.1\r\nHost: x\r\n".encode() + auth
                   + b"Content-Length: " + b"9" * 30 + b"\r\nConnection: close\r\n\r\n{}", timeout_s=5)
     assert answer.split(b" ", 2)[1] in (b"400", b"413"), answer[:300]
     text = _log_text(caplog)
@@ -908,9 +896,9 @@ def test_too_many_and_too_large_headers_are_refused_without_buffering(stack: Sta
                 + b"\r\nConnection: close\r\n\r\n" + body)
 
     many = b"".join(b"X-Pad-%d: v\r\n" % i for i in range(2000))  # 30 kB: fine
-    assert _raw(stack.address, request(many)).startswith(b"HTTP/1.1 200")
+    assert raw_exchange(stack.address, request(many)).startswith(b"HTTP/1.1 200")
     for extra in (b"".join(b"X-Pad-%d: v\r\n" % i for i in range(8000)), b"X-Big: " + b"a" * 100_000 + b"\r\n"):
-        answer = _raw(stack.address, request(extra))
+        answer = raw_exchange(stack.address, request(extra))
         assert answer == b"" or answer.startswith(b"HTTP/1.1 431"), answer[:200]
     # A 64 MB header: the server stops reading and closes long before it is sent.
     sent = 0

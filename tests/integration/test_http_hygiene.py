@@ -40,7 +40,7 @@ from fastapi import FastAPI
 from fastapi.responses import StreamingResponse
 
 from flywheel.settings import Settings, load_settings
-from tests.fixtures.roles import free_port, served_app, wait_until
+from tests.fixtures.roles import free_port, raw_exchange, served_app, wait_until
 from tests.fixtures.traffic import write_config
 
 pytestmark = pytest.mark.integration
@@ -138,14 +138,7 @@ def _raw(url: str, data: bytes, timeout_s: float = 10.0) -> bytes:
     """Send ``data`` on a fresh connection to ``url``'s host and port; everything the server sent
     before it closed the connection (or ``timeout_s``)."""
     parts = httpx.URL(url)
-    received = []
-    with socket.create_connection((parts.host, parts.port), timeout=timeout_s) as sock:
-        with contextlib.suppress(OSError):
-            sock.sendall(data)
-        with contextlib.suppress(OSError):
-            while chunk := sock.recv(65536):
-                received.append(chunk)
-    return b"".join(received)
+    return raw_exchange((parts.host, parts.port), data, timeout_s)
 
 
 def _parse(answer: bytes) -> tuple[int, dict[str, str], bytes]:
