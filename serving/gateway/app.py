@@ -59,12 +59,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from flywheel.events import FeedbackEvent, new_id
+from flywheel.events import new_id
 from flywheel.keys import check_tenant
 from flywheel.settings import Settings
 from serving.errors import APIError, from_pydantic, install_error_handlers
 from serving.gateway import capture
 from serving.gateway.auth import KeyStore, Ownership, Principal, require_admin
+from serving.gateway.feedback import FeedbackServing
 from serving.gateway.routing import Router, Upstream, as_line, new_session_version
 from serving.gateway.shipper import Capture, CaptureFull, bus_producer_factory
 from serving.gateway.state import GatewayState, StateUnavailable, make_state
@@ -77,7 +78,6 @@ from serving.protocol import (
     SSE_DONE,
     ChatCompletionRequest,
     CompletionRequest,
-    FeedbackBatch,
     FeedbackItem,
     check_session_id,
     parse_chat_request,
@@ -181,6 +181,7 @@ class Gateway:
         self.state: GatewayState
         self.keys: KeyStore | None = None
         self.ownership: Ownership
+        self.feedback_serving: FeedbackServing
         self.router: Router
         self.sessions: Any = None  # the database's session factory (admin version routes)
         self.http = Pool(settings.gateway.upstream_timeout_s)
@@ -207,6 +208,8 @@ class Gateway:
         if settings.gateway.auth == "on":
             self.keys = KeyStore(sessions, settings.gateway.key_cache_s)
         self.ownership = Ownership(self.state, sessions, settings.gateway.ownership_ttl_s)
+        self.feedback_serving = FeedbackServing(settings, self.state, self.ownership, self.submit,
+                                                self.metrics.feedback.inc)
         live = make_live(settings)
         stack.callback(live.close)
         self.router = Router(settings, sessions, live, self.state.get_pins)
@@ -519,88 +522,7 @@ class Gateway:
     async def feedback(self, request: Request) -> JSONResponse:
         principal = await self.principal(request)
         await self.limit(principal)
-        body = await read_json_body(request, self.settings.gateway.max_body_bytes,
-                                    self.settings.gateway.body_read_timeout_s)
-        if not isinstance(body, dict):
-            raise APIError(400, "request body must be a JSON object (one feedback item or {\"feedback\": [...]})")
-        batch = "feedback" in body
-        try:
-            items = FeedbackBatch.model_validate(body).feedback if batch else [FeedbackItem.model_validate(body)]
-        except ValidationError as exc:
-            raise from_pydantic(exc) from None
-
-        tenant = principal.tenant
-        header_session = request.headers.get(SESSION_HEADER)
-        events = []
-        first: dict[str, int] = {}
-        for i, item in enumerate(items):
-            prefix = f"feedback.{i}." if batch else ""
-            if item.feedback_id in first:
-                raise APIError(400, f"feedback.{i}.feedback_id repeats feedback.{first[item.feedback_id]}.feedback_id "
-                               f"({item.feedback_id!r}): a batch holds each feedback id once",
-                               param=f"{prefix}feedback_id", code="duplicate_feedback_id")
-            first[item.feedback_id] = i
-            problem = capture.feedback_problem(item)
-            if problem:
-                raise APIError(400, problem, param=f"{prefix}signal", code="invalid_value")
-            session_id = item.session_id or header_session
-            if item.generation_id is not None:
-                session_id = await self.ownership.check_generation(
-                    tenant, item.generation_id, session_id, param=f"{prefix}generation_id")
-            elif not session_id:
-                raise APIError(
-                    400,
-                    f"feedback needs a target: set {prefix}generation_id, {prefix}session_id or the {SESSION_HEADER} header",
-                    param=f"{prefix}session_id",
-                    code="missing_required_parameter",
-                )
-            else:
-                session_id = check_session_id(session_id)
-                await self.ownership.check_session(tenant, session_id, param=f"{prefix}session_id")
-            events.append(capture.feedback_event(item, tenant=tenant, session_id=session_id))
-
-        claims = await self.claim_feedback(tenant, events, batch)
-        try:
-            submitted = await self.submit(events, {})
-        except BaseException:
-            await self.release_feedback(tenant, claims)
-            raise
-        if submitted:
-            self.metrics.feedback.inc(len(events))
-        else:  # dropped by the spool's drop policy: nothing was recorded, a retry may differ
-            await self.release_feedback(tenant, claims)
-        headers = {SESSION_HEADER: events[0].session_id} if len(events) == 1 else {}
-        # An identical replay gets the first answer again (the same event ids): a retry is harmless.
-        return JSONResponse(
-            {"accepted": len(events), "event_ids": [e.event_id for e in events]}, status_code=202, headers=headers
-        )
-
-    async def claim_feedback(self, tenant: str, events: list[FeedbackEvent],
-                             batch: bool) -> list[tuple[str, str]]:
-        """Claim each event's feedback id for its content (``capture.feedback_content``); the
-        claims this call made (an identical earlier submission is no conflict and no claim). A
-        feedback id already claimed with other content is a 409 holding the stored content (and
-        this call's claims are released: nothing of the request was accepted)."""
-        claims: list[tuple[str, str]] = []
-        for i, event in enumerate(events):
-            content = capture.feedback_content(event)
-            held = await self.state.claim_feedback(tenant, event.feedback_id, content,
-                                                   self.settings.gateway.ownership_ttl_s)
-            if held is None:
-                claims.append((event.feedback_id, content))
-            elif held != content:
-                await self.release_feedback(tenant, claims)
-                raise APIError(409, f"feedback_id {event.feedback_id!r} was already submitted with other content "
-                               "(kind, signal, value, comment, data or target); a feedback id names one signal: "
-                               "send a new feedback_id for a new one. `stored` holds what was accepted first",
-                               param=f"feedback.{i}.feedback_id" if batch else "feedback_id",
-                               code="feedback_id_conflict", extra={"stored": orjson.loads(held)})
-        return claims
-
-    async def release_feedback(self, tenant: str, claims: list[tuple[str, str]]) -> None:
-        for feedback_id, content in claims:
-            with contextlib.suppress(StateUnavailable):
-                await self.state.release_feedback(tenant, feedback_id, content)
+        return await self.feedback_serving(request, principal.tenant)
 
     # Models ------------------------------------------------------------------------------------
 

@@ -1,0 +1,130 @@
+"""Serving ``POST /v1/feedback``: one item or a batch, each checked against the caller's tenant,
+each feedback id held to one signal, then handed to the capture like a generation event.
+
+``FeedbackServing(settings, state, ownership, submit, count)`` is built once by the gateway with its
+clients (the live state, the ownership checks, the capture's ``submit``, the feedback counter); the
+gateway's route authenticates and rate-limits, then calls it with the caller's tenant.
+
+Invariants:
+- Feedback targets only what the tenant owns (``Ownership``): a generation (its session is the
+  event's) or a session named by ``session_id`` or the session header.
+- A batch holds each feedback id once: a repeat is a 400 naming it, even with identical items.
+- A feedback id names one signal per tenant (``GatewayState.claim_feedback``, kept
+  ``gateway.ownership_ttl_s``): an identical replay gets the first answer again (the same event
+  ids); other content is a 409 ``feedback_id_conflict`` with the first submission under ``stored``,
+  and nothing of the request is accepted.
+- A claim is released when nothing was recorded (the capture refused or dropped the events), so a
+  retry may carry other content.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Awaitable, Callable
+
+import orjson
+from fastapi import Request
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+
+from flywheel.events import FeedbackEvent
+from flywheel.settings import Settings
+from serving.errors import APIError, from_pydantic
+from serving.gateway import capture
+from serving.gateway.auth import Ownership
+from serving.gateway.state import GatewayState, StateUnavailable
+from serving.protocol import SESSION_HEADER, FeedbackBatch, FeedbackItem, check_session_id, read_json_body
+
+
+class FeedbackServing:
+    """The work of ``POST /v1/feedback`` (module docstring)."""
+
+    def __init__(self, settings: Settings, state: GatewayState, ownership: Ownership,
+                 submit: Callable[[list[Any], dict[str, str]], Awaitable[bool]], count: Callable[[int], None]) -> None:
+        self.gateway_settings = settings.gateway
+        self.state = state
+        self.ownership = ownership
+        self.submit = submit
+        self.count = count
+
+    async def __call__(self, request: Request, tenant: str) -> JSONResponse:
+        body = await read_json_body(request, self.gateway_settings.max_body_bytes,
+                                    self.gateway_settings.body_read_timeout_s)
+        if not isinstance(body, dict):
+            raise APIError(400, "request body must be a JSON object (one feedback item or {\"feedback\": [...]})")
+        batch = "feedback" in body
+        try:
+            items = FeedbackBatch.model_validate(body).feedback if batch else [FeedbackItem.model_validate(body)]
+        except ValidationError as exc:
+            raise from_pydantic(exc) from None
+
+        header_session = request.headers.get(SESSION_HEADER)
+        events = []
+        first: dict[str, int] = {}
+        for i, item in enumerate(items):
+            prefix = f"feedback.{i}." if batch else ""
+            if item.feedback_id in first:
+                raise APIError(400, f"feedback.{i}.feedback_id repeats feedback.{first[item.feedback_id]}.feedback_id "
+                               f"({item.feedback_id!r}): a batch holds each feedback id once",
+                               param=f"{prefix}feedback_id", code="duplicate_feedback_id")
+            first[item.feedback_id] = i
+            problem = capture.feedback_problem(item)
+            if problem:
+                raise APIError(400, problem, param=f"{prefix}signal", code="invalid_value")
+            session_id = item.session_id or header_session
+            if item.generation_id is not None:
+                session_id = await self.ownership.check_generation(
+                    tenant, item.generation_id, session_id, param=f"{prefix}generation_id")
+            elif not session_id:
+                raise APIError(
+                    400,
+                    f"feedback needs a target: set {prefix}generation_id, {prefix}session_id or the {SESSION_HEADER} header",
+                    param=f"{prefix}session_id",
+                    code="missing_required_parameter",
+                )
+            else:
+                session_id = check_session_id(session_id)
+                await self.ownership.check_session(tenant, session_id, param=f"{prefix}session_id")
+            events.append(capture.feedback_event(item, tenant=tenant, session_id=session_id))
+
+        claims = await self.claim(tenant, events, batch)
+        try:
+            submitted = await self.submit(events, {})
+        except BaseException:
+            await self.release(tenant, claims)
+            raise
+        if submitted:
+            self.count(len(events))
+        else:  # dropped by the spool's drop policy: nothing was recorded, a retry may differ
+            await self.release(tenant, claims)
+        headers = {SESSION_HEADER: events[0].session_id} if len(events) == 1 else {}
+        # An identical replay gets the first answer again (the same event ids): a retry is harmless.
+        return JSONResponse(
+            {"accepted": len(events), "event_ids": [e.event_id for e in events]}, status_code=202, headers=headers
+        )
+
+    async def claim(self, tenant: str, events: list[FeedbackEvent], batch: bool) -> list[tuple[str, str]]:
+        """Claim each event's feedback id for its content (``capture.feedback_content``); the
+        claims this call made (an identical earlier submission is no conflict and no claim). A
+        feedback id already claimed with other content is a 409 holding the stored content (and
+        this call's claims are released: nothing of the request was accepted)."""
+        claims: list[tuple[str, str]] = []
+        for i, event in enumerate(events):
+            content = capture.feedback_content(event)
+            held = await self.state.claim_feedback(tenant, event.feedback_id, content,
+                                                   self.gateway_settings.ownership_ttl_s)
+            if held is None:
+                claims.append((event.feedback_id, content))
+            elif held != content:
+                await self.release(tenant, claims)
+                raise APIError(409, f"feedback_id {event.feedback_id!r} was already submitted with other content "
+                               "(kind, signal, value, comment, data or target); a feedback id names one signal: "
+                               "send a new feedback_id for a new one. `stored` holds what was accepted first",
+                               param=f"feedback.{i}.feedback_id" if batch else "feedback_id",
+                               code="feedback_id_conflict", extra={"stored": orjson.loads(held)})
+        return claims
+
+    async def release(self, tenant: str, claims: list[tuple[str, str]]) -> None:
+        for feedback_id, content in claims:
+            with contextlib.suppress(StateUnavailable):
+                await self.state.release_feedback(tenant, feedback_id, content)
