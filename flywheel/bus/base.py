@@ -100,9 +100,11 @@ class BusError(Exception):
 
 #: Errors that mean "this record cannot be decoded or applied" when a consumer processes one record:
 #: a worker dead-letters the record and goes on (the database's own refusals, ``DataError`` and
-#: ``IntegrityError``, join these in the workers). Outages and backend failures are not among them.
+#: ``IntegrityError``, join these in the workers). Outages and backend failures are not among them,
+#: nor ``TypeError``: records are validated before they are applied, so one is a bug in the code,
+#: which must stop the worker rather than dead-letter every record it meets.
 BAD_RECORD: tuple[type[Exception], ...] = (
-    ValueError, TypeError, KeyError, IndexError, ArithmeticError, RecursionError, UnicodeError,
+    ValueError, KeyError, IndexError, ArithmeticError, RecursionError, UnicodeError,
 )
 
 
