@@ -1,9 +1,9 @@
 """Two CPU ranks over gloo train exactly as one process (trainer/distributed.py).
 
-``python -m trainer.distributed selftest`` trains the quick tiny model for 4 optimizer steps on
+``python -m trainer.selftest`` trains the quick tiny model for 4 optimizer steps on
 fixed synthetic ScoredTrajectory batches (5, 4, 1 and 6 samples; 64-token micro-batches, so the
 ranks run different numbers of passes and, on the 1-sample step, one rank has no data at all)
-through ``trainer.train.train_step``, rebuilding model and optimizer from their full states after
+through ``trainer.step.train_step``, rebuilding model and optimizer from their full states after
 step 2. It runs once alone (no torchrun: the single-process no-op path) and
 once under ``torchrun --nproc_per_node 2``, there with FSDP2 and then DDP. Compared: per-step
 losses, the step-1 gradients, the final full parameters and the full optimizer state, which must
@@ -30,7 +30,7 @@ WRAPPERS = ("fsdp2", "ddp")
 def selftest(model_dir: Path, out: Path, *launcher: str) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     env["OMP_NUM_THREADS"] = "1"
-    cmd = [sys.executable, *launcher, "-m", "trainer.distributed", "selftest", "--model", str(model_dir), "--out", str(out)]
+    cmd = [sys.executable, *launcher, "-m", "trainer.selftest", "--model", str(model_dir), "--out", str(out)]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return json.loads((out / "result.json").read_text())

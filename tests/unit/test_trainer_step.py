@@ -89,7 +89,7 @@ def test_sync_mode_buffer_drops_every_off_policy_sample() -> None:
 
 
 def test_micro_batches_respect_the_padded_budget() -> None:
-    from trainer.train import micro_batches
+    from trainer.step import micro_batches
 
     samples = [scored(f"s{i}", [1] * k) for i, k in enumerate([1, 1, 3, 1, 6])]  # 3, 3, 7, 3, 13 tokens
     assert micro_batches(samples, 1000) == [[0, 1, 2, 3, 4]]
@@ -124,7 +124,7 @@ def tiny(tiny_model_dir):
 
 
 def _step(model, samples, **cfg):
-    from trainer.train import train_step
+    from trainer.step import train_step
 
     model = copy.deepcopy(model)
     for p in model.parameters():
@@ -148,7 +148,7 @@ def test_gradient_accumulation_over_micro_batches_equals_one_pass(tiny) -> None:
 
 
 def test_kl_reference_at_the_start_adds_nothing_but_the_metric(tiny) -> None:
-    from trainer.train import train_step
+    from trainer.step import train_step
 
     samples = _task_samples(tiny.config.vocab_size, 4, seed=2)
     model = copy.deepcopy(tiny).requires_grad_(True)
