@@ -60,12 +60,6 @@ class _Event(BaseModel):
         return cls.model_validate(jsonpolicy.loads(raw))
 
 
-class Message(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    role: str
-    content: Any = None
-
-
 class SamplingParams(BaseModel):
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
     temperature: float = 1.0

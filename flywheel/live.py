@@ -1,14 +1,12 @@
-"""Live state: small, expiring, shared facts (sticky routing, node heartbeats, version notices).
+"""Live state: small, expiring, shared facts: node heartbeats and version notices.
 
 Two backends behind one interface, chosen by ``settings.live.kind``: ``memory`` (one process,
 the embedded default) and ``redis`` (shared by every process and host).
 
 Invariants:
-- Values are strings; heartbeat payloads are JSON objects.
-- A key set with ``ttl_s`` is gone once ``ttl_s`` seconds have passed; without it, it stays.
-- ``set_if_absent`` is atomic: of several concurrent callers exactly one value wins and every
-  caller gets that winning value back (the sticky-session primitive).
-- ``heartbeats()`` returns only nodes whose last heartbeat has not yet expired.
+- Heartbeat payloads are JSON objects, snapshotted when sent and when read.
+- ``heartbeats()`` returns only nodes whose last heartbeat (sent with ``ttl_s``) has not yet
+  expired.
 - Redis keys all start with ``settings.live.key_prefix``; nothing outside the prefix is touched.
 - Notifications (``notify`` / ``listen``) are wake-ups, not messages: best effort, no payload, no
   replay. A listener that misses one (Redis down, not yet subscribed) still polls the source of
@@ -27,16 +25,6 @@ from flywheel.settings import Settings
 
 
 class LiveState(Protocol):
-    def get(self, key: str) -> str | None: ...
-
-    def set(self, key: str, value: str, ttl_s: float | None = None) -> None: ...
-
-    def set_if_absent(self, key: str, value: str, ttl_s: float | None = None) -> str:
-        """Store ``value`` unless ``key`` holds one; return the value stored now."""
-        ...
-
-    def delete(self, key: str) -> None: ...
-
     def heartbeat(self, node_id: str, payload: dict[str, Any], ttl_s: float) -> None: ...
 
     def heartbeats(self) -> dict[str, dict[str, Any]]: ...
@@ -64,47 +52,12 @@ def _check_ttl(ttl_s: float | None) -> None:
 
 
 class MemoryLive:
-    """In-process live state; thread-safe. Expired entries are dropped when next touched."""
+    """In-process live state; thread-safe. Expired heartbeats are dropped when next read."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._values: dict[str, tuple[str, float | None]] = {}
         self._listeners: dict[str, list[threading.Event]] = {}
         self._beats: dict[str, tuple[dict[str, Any], float]] = {}
-
-    def _live_value(self, key: str, now: float) -> str | None:
-        entry = self._values.get(key)
-        if entry is None:
-            return None
-        value, expires = entry
-        if expires is not None and expires <= now:
-            del self._values[key]
-            return None
-        return value
-
-    def get(self, key: str) -> str | None:
-        with self._lock:
-            return self._live_value(key, time.monotonic())
-
-    def set(self, key: str, value: str, ttl_s: float | None = None) -> None:
-        _check_ttl(ttl_s)
-        now = time.monotonic()
-        with self._lock:
-            self._values[key] = (str(value), None if ttl_s is None else now + ttl_s)
-
-    def set_if_absent(self, key: str, value: str, ttl_s: float | None = None) -> str:
-        _check_ttl(ttl_s)
-        now = time.monotonic()
-        with self._lock:
-            current = self._live_value(key, now)
-            if current is not None:
-                return current
-            self._values[key] = (str(value), None if ttl_s is None else now + ttl_s)
-            return str(value)
-
-    def delete(self, key: str) -> None:
-        with self._lock:
-            self._values.pop(key, None)
 
     def heartbeat(self, node_id: str, payload: dict[str, Any], ttl_s: float) -> None:
         _check_ttl(ttl_s)
@@ -140,18 +93,6 @@ class MemoryLive:
     def close(self) -> None:
         pass
 
-
-# SET NX then GET, in one atomic step. ARGV[2] is the TTL in ms, or "0" for none.
-_SET_IF_ABSENT = """
-local ok
-if tonumber(ARGV[2]) > 0 then
-  ok = redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2])
-else
-  ok = redis.call('SET', KEYS[1], ARGV[1], 'NX')
-end
-if ok then return ARGV[1] end
-return redis.call('GET', KEYS[1])
-"""
 
 # Heartbeats: KEYS[1] a sorted set node -> expiry (ms, Redis server clock), KEYS[2] a hash node -> payload.
 _HEARTBEAT = """
@@ -194,28 +135,9 @@ class RedisLive:
         self._redis = redis.Redis.from_url(
             url, decode_responses=True, socket_timeout=socket_timeout_s, socket_connect_timeout=socket_timeout_s
         )
-        self._set_if_absent = self._redis.register_script(_SET_IF_ABSENT)
         self._heartbeat = self._redis.register_script(_HEARTBEAT)
         self._heartbeats = self._redis.register_script(_HEARTBEATS)
         self._beat_keys = [f"{prefix}heartbeats:expiry", f"{prefix}heartbeats:payload"]
-
-    def _key(self, key: str) -> str:
-        return f"{self.prefix}kv:{key}"
-
-    def get(self, key: str) -> str | None:
-        return self._redis.get(self._key(key))
-
-    def set(self, key: str, value: str, ttl_s: float | None = None) -> None:
-        _check_ttl(ttl_s)
-        self._redis.set(self._key(key), str(value), px=None if ttl_s is None else _ttl_ms(ttl_s))
-
-    def set_if_absent(self, key: str, value: str, ttl_s: float | None = None) -> str:
-        _check_ttl(ttl_s)
-        ttl = 0 if ttl_s is None else _ttl_ms(ttl_s)
-        return self._set_if_absent(keys=[self._key(key)], args=[str(value), ttl])
-
-    def delete(self, key: str) -> None:
-        self._redis.delete(self._key(key))
 
     def heartbeat(self, node_id: str, payload: dict[str, Any], ttl_s: float) -> None:
         _check_ttl(ttl_s)
