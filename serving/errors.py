@@ -10,13 +10,16 @@ Invariants:
   as a dotted path (``messages.0.role``); it is never a 500.
 - :func:`install_error_handlers` is the only place that turns exceptions into responses, for both
   the gateway and the node; routers raise :class:`APIError` (or let FastAPI raise its own).
+- What a proxy passes on from its upstream is built here too (:func:`upstream_error`,
+  :func:`upstream_stream_error`, :func:`bad_upstream_response`): an upstream 4xx keeps its envelope,
+  anything else the upstream does wrong is a 502.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -128,8 +131,60 @@ def from_pydantic(exc: ValidationError, *, prefix: str | None = None) -> APIErro
     return validation_error(exc.errors(include_url=False), prefix=prefix)
 
 
-def install_error_handlers(app: FastAPI) -> None:
-    """Map every exception an endpoint can raise to the envelope; unknown ones become a logged 500."""
+def state_unavailable(exc: BaseException) -> APIError:
+    """The store that holds sessions and rate limits (Redis) is down: a 503, as a response or mid-stream."""
+    log.error("gateway state unavailable: %s", type(exc.__cause__ or exc).__name__)
+    return APIError(503, "session and rate-limit state is unavailable right now; retry shortly",
+                    code="state_unavailable")
+
+
+def upstream_error_field(raw: bytes, key: str) -> Any:
+    """A field of an upstream error body: ``{"error": {...}}`` or vLLM's older flat envelope."""
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        return None
+    if not isinstance(body, dict):
+        return None
+    err = body.get("error")
+    return err.get(key) if isinstance(err, dict) else body.get(key)
+
+
+def upstream_error(status: int, raw: bytes, headers: dict[str, str]) -> APIError:
+    """An upstream's error answer: a 4xx passes through (its envelope kept); anything else is a 502."""
+    try:
+        err = json.loads(raw).get("error")
+    except (ValueError, AttributeError):
+        err = None
+    err = err if isinstance(err, dict) else {}
+    message = err.get("message") or raw[:500].decode("utf-8", errors="replace") or f"HTTP {status}"
+    if 400 <= status < 500:
+        return APIError(status, message, param=err.get("param"), code=err.get("code"),
+                        type=err.get("type") or None, headers=headers)
+    return APIError(502, f"upstream returned HTTP {status}: {message}", code="upstream_error", headers=headers)
+
+
+class UpstreamStreamError(Exception):
+    """The upstream sent an error event inside its stream; ``args[0]`` is its ``error`` value."""
+
+
+def upstream_stream_error(exc: UpstreamStreamError, headers: dict[str, str]) -> APIError:
+    """The 502 for an error event the upstream sent mid-stream, keeping its code when it has one."""
+    err = exc.args[0]
+    message = err.get("message") if isinstance(err, dict) else None
+    code = err.get("code") if isinstance(err, dict) else None
+    return APIError(502, f"upstream failed mid-stream: {message or err!r}",
+                    code=code if isinstance(code, str) else "upstream_error", headers=headers)
+
+
+def bad_upstream_response(exc: Exception, headers: dict[str, str]) -> APIError:
+    """The 502 for an upstream answer that cannot be captured (no token ids, no version, not JSON...)."""
+    return APIError(502, f"upstream response cannot be captured: {exc}", code="bad_upstream_response", headers=headers)
+
+
+def install_error_handlers(app: FastAPI, *, unavailable: Sequence[type[Exception]] = ()) -> None:
+    """Map every exception an endpoint can raise to the envelope; unknown ones become a logged 500.
+    ``unavailable``: exceptions that mean the live state store is down (:func:`state_unavailable`)."""
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
@@ -147,6 +202,11 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
         return APIError(exc.status_code, message, headers=dict(exc.headers or {})).response()
+
+    for exc_type in unavailable:
+        @app.exception_handler(exc_type)
+        async def _unavailable(_: Request, exc: Exception) -> JSONResponse:
+            return state_unavailable(exc).response()
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:

@@ -1,9 +1,13 @@
 """Who is calling, and may they touch this generation or session: API keys and tenant ownership.
 
 :class:`KeyStore` turns an ``Authorization: Bearer fwk_...`` header into a :class:`Principal`;
+:class:`Access` is what the routers ask (the caller, within its rate limit; an admin);
 :class:`Ownership` answers whether a tenant may send feedback on a generation or a session.
 
 Invariants:
+- Every request acts for one tenant: the owner of its API key (``gateway.auth = "on"``) or
+  ``gateway.default_tenant``.
+- Admin routes need an admin key (auth on) or a loopback caller (auth off).
 - Every refusal of a key (missing, not a Bearer header, malformed, unknown, wrong secret, revoked)
   is the same 401 with the same message, and no message or log line ever contains a key.
 - Malformed keys are refused without a database query. Well-formed ones are looked up off the
@@ -27,6 +31,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
+from fastapi import Request
 from fastapi.concurrency import run_in_threadpool
 from sqlalchemy import exists, select
 from sqlalchemy.exc import SQLAlchemyError
@@ -120,6 +125,50 @@ class KeyStore:
             while len(self._cache) > self.max_entries:
                 self._cache.popitem(last=False)
         return info
+
+
+class Access:
+    """The caller of a request: authenticated (:class:`KeyStore`, or the default tenant while
+    ``gateway.auth`` is off), rate-limited per key, or refused."""
+
+    def __init__(self, settings: GatewaySettings, keys: KeyStore | None, state: GatewayState) -> None:
+        self.settings = settings
+        self.keys = keys
+        self.state = state
+
+    async def principal(self, request: Request) -> Principal:
+        if self.keys is None:
+            return Principal("-", self.settings.default_tenant, "tenant", None)
+        return await self.keys.authenticate(request.headers.get("authorization"))
+
+    async def caller(self, request: Request) -> Principal:
+        """:meth:`principal`, admitted by :meth:`limit`."""
+        principal = await self.principal(request)
+        await self.limit(principal)
+        return principal
+
+    async def limit(self, principal: Principal) -> None:
+        """A 429 with ``Retry-After`` once the key used up its requests per minute (and burst)."""
+        rpm = principal.rate_limit_rpm if principal.rate_limit_rpm is not None else self.settings.rate_limit_rpm
+        if rpm <= 0:
+            return
+        retry = await self.state.admit(principal.key_id, rpm, self.settings.rate_limit_burst)
+        if retry is not None:
+            seconds = max(1, int(retry + 0.999))
+            raise APIError(429, f"rate limit of {rpm} requests per minute reached for this API key; "
+                           f"retry in {seconds} s", code="rate_limit_exceeded", headers={"Retry-After": str(seconds)})
+
+    async def admin(self, request: Request) -> str:
+        """Refuses anyone but an admin; returns who it is, for audit logs."""
+        if self.keys is None:
+            host = request.client.host if request.client else ""
+            if host not in ("127.0.0.1", "::1", "localhost", "testclient"):
+                raise APIError(403, "admin routes answer loopback callers only while gateway.auth is off",
+                               code="admin_required")
+            return f"admin API (loopback {host}, gateway.auth off)"
+        principal = await self.keys.authenticate(request.headers.get("authorization"))
+        require_admin(principal)
+        return f"admin API key {principal.key_id}"
 
 
 class Ownership:

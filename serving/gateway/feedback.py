@@ -1,9 +1,12 @@
 """Serving ``POST /v1/feedback``: one item or a batch, each checked against the caller's tenant,
 each feedback id held to one signal, then handed to the capture like a generation event.
 
-``FeedbackServing(settings, state, ownership, submit, count)`` is built once by the gateway with its
-clients (the live state, the ownership checks, the capture's ``submit``, the feedback counter); the
-gateway's route authenticates and rate-limits, then calls it with the caller's tenant.
+``FeedbackServing(settings, state, ownership, submit, count)`` is built once at start-up
+(``serving/gateway/services.py``) with its clients (the live state, the ownership checks, the
+capture's ``submit`` as :meth:`CompletionServing.submit <serving.gateway.completions.CompletionServing.submit>`
+does it, the feedback counter); the route (``serving/gateway/api_router.py``) authenticates and
+rate-limits, then calls it with the caller's tenant. Feedback is acknowledged (202) only once the
+capture spool accepted its events.
 
 Invariants:
 - Feedback targets only what the tenant owns (``Ownership``): a generation (its session is the

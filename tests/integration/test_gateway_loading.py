@@ -15,7 +15,8 @@ import pytest
 from flywheel.db.models import ModelVersion
 from flywheel.db.session import make_engine, make_session_factory, upgrade
 from flywheel.settings import load_settings
-from serving.gateway.app import LOADING_WAIT_S, create_app
+from serving.gateway.app import create_app
+from serving.gateway.completions import LOADING_WAIT_S
 from serving.server import bind, serve
 from tests.fixtures.roles import free_port, wait_until
 from tests.integration.test_tenancy_attacks import VersionEchoUpstream
