@@ -8,6 +8,5 @@ COPY serving ./serving
 COPY ingest ./ingest
 COPY rewards ./rewards
 COPY trainer ./trainer
-COPY migrations ./migrations
 RUN pip install --no-cache-dir torch==2.13.0 && pip install --no-cache-dir .
 ENTRYPOINT ["flywheel"]

@@ -1,4 +1,4 @@
-"""SQLAlchemy 2 models: every table flywheel keeps. Alembic revisions in ``migrations/`` own the schema.
+"""SQLAlchemy 2 models: every table flywheel keeps. Alembic revisions in ``flywheel/db/migrations/`` own the schema.
 
 Invariants:
 - Raw events (generations, feedback) are keyed by their ``event_id``; inserting one twice is a no-op,

@@ -7,8 +7,8 @@ Invariants:
 - SQLite engines use WAL, a 30 s busy timeout, foreign keys, and take the write lock when a
   transaction begins (``BEGIN IMMEDIATE``), so several processes can read-modify-write one file
   without "database is locked" failures or lost updates: writers queue instead of failing.
-- The schema is owned by Alembic (``migrations/``); :func:`upgrade` brings any database to head and
-  works from any working directory.
+- The schema is owned by Alembic (``flywheel/db/migrations/``, beside the models it migrates);
+  :func:`upgrade` brings any database to head and works from any working directory.
 - :func:`insert_ignore` never raises on a duplicate key and never commits; it reports how many rows
   were actually new.
 - Error messages name the database without its password (or any part of it, even from the driver's
@@ -263,6 +263,10 @@ class OutageWait:
             log.warning("%s: database back after %.1fs; reading again from the committed offsets", role, lasted)
 
 
+#: The Alembic environment and revisions (the package ``flywheel.db.migrations``).
+MIGRATIONS_DIR = Path(__file__).resolve().parent / "migrations"
+
+
 class _Stopped(Exception):
     """``OutageWait.wait``: the worker was asked to stop while it waited."""
 
@@ -270,13 +274,9 @@ class _Stopped(Exception):
 def _alembic_config(url: str | URL) -> Any:
     from alembic.config import Config
 
-    import migrations
-
-    # __path__, not __file__: an editable install may expose the package as a namespace package.
-    folders = [Path(entry) for entry in migrations.__path__ if (Path(entry) / "alembic.ini").is_file()]
-    if not folders:
-        raise RuntimeError(f"migrations/alembic.ini not found in {list(migrations.__path__)}")
-    folder = folders[0].resolve()
+    folder = MIGRATIONS_DIR
+    if not (folder / "alembic.ini").is_file():
+        raise RuntimeError(f"alembic.ini not found in {folder}")
     config = Config(str(folder / "alembic.ini"))
     config.set_main_option("script_location", str(folder))
     # Passed as an attribute, not through the ini file, so a '%' in a password needs no escaping.
