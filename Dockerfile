@@ -8,5 +8,7 @@ COPY serving ./serving
 COPY ingest ./ingest
 COPY rewards ./rewards
 COPY trainer ./trainer
+COPY launch ./launch
+COPY demo ./demo
 RUN pip install --no-cache-dir torch==2.13.0 && pip install --no-cache-dir .
 ENTRYPOINT ["flywheel"]

@@ -147,7 +147,7 @@ def start_upstream(port: int, delay_ms: float) -> subprocess.Popen:
 def start_gateway(port: int, upstream_port: int, data_dir: Path, env: dict[str, str]) -> subprocess.Popen:
     full_env = {**os.environ, "FLYWHEEL_DATA_DIR": str(data_dir), "FLYWHEEL_LOG_LEVEL": "WARNING", **env}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "flywheel.cli", "gateway", "--upstream", f"http://127.0.0.1:{upstream_port}",
+        [sys.executable, "-m", "launch.cli", "gateway", "--upstream", f"http://127.0.0.1:{upstream_port}",
          "--port", str(port)],
         env=full_env,
     )

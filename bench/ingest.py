@@ -429,7 +429,7 @@ class Workers:
             "FLYWHEEL_DB__URL": self.database_url, **KAFKA_ENV, **self.env,
         })
         for role, n in (("ingest", self.n_ingest), ("rewards", self.n_rewards)):
-            self.procs[role] = [subprocess.Popen([sys.executable, "-m", "flywheel.cli", role], cwd=ROOT, env=env)
+            self.procs[role] = [subprocess.Popen([sys.executable, "-m", "launch.cli", role], cwd=ROOT, env=env)
                                 for _ in range(n)]
         return self
 
@@ -532,7 +532,7 @@ def _frame(raw: str) -> str:
 
 
 #: Frames on every stack (the entry point, thread start-up): left out of the inclusive ranking.
-_ENTRY = ("(<frozen runpy>)", "(flywheel/cli.py)", "(threading.py)")
+_ENTRY = ("(<frozen runpy>)", "(launch/cli.py)", "(threading.py)")
 
 
 def summarise_stacks(paths: list[Path], top: int = 15) -> dict[str, Any]:

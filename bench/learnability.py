@@ -27,19 +27,18 @@ from pathlib import Path
 
 import torch
 
-from flywheel.tinymodel import task
-
-from flywheel.weights import codec
-from flywheel.tinymodel.build import ensure_default_model
-from flywheel.tinymodel.sampling import (
+from demo.tinymodel import task
+from demo.tinymodel.build import ensure_default_model
+from demo.tinymodel.evaluate import evaluate
+from flywheel.lm import (
     chat_prompt_ids,
     completion_text,
-    evaluate,
     export_state,
     generate,
     load_model,
     load_state,
 )
+from flywheel.weights import codec
 
 
 def changed_fraction(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> float:

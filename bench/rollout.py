@@ -114,7 +114,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from flywheel.db.session import make_engine, make_session_factory, upgrade
     from flywheel.settings import load_settings
     from serving.rollout import node_waker
-    from flywheel.tinymodel.build import ensure_default_model
+    from demo.tinymodel.build import ensure_default_model
     from flywheel.weights.registry import Registry
     from flywheel.weights.store import FolderStore
 
@@ -135,7 +135,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 config = node_config(tmp, i, regions[i % len(regions)], model_dir, args.poll, live)
                 log = open(tmp / f"node-{i}.log", "wb")
                 logs.append(log)
-                procs.append(subprocess.Popen([sys.executable, "-m", "flywheel.cli", "--config", str(config), "node"],
+                procs.append(subprocess.Popen([sys.executable, "-m", "launch.cli", "--config", str(config), "node"],
                                               cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
                                               env={**os.environ, "PYTHONUNBUFFERED": "1"}))
                 if i == 0:  # the first node publishes the base model as version 0; the rest find it

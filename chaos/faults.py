@@ -281,7 +281,7 @@ def fault_bad_delta(c: Chaos) -> None:
             promoted = wait_for(f"a version at or past v{target.version} to go stable", lambda: (
                 (s := registry.latest("stable")) is not None and s.version >= target.version and s), 8.0, 0.1)
         except TimeoutError:  # the gates hold it back: promote it as an operator would
-            result = subprocess.run([sys.executable, "-m", "flywheel.cli", "--config", str(rollout.config), "rollout",
+            result = subprocess.run([sys.executable, "-m", "launch.cli", "--config", str(rollout.config), "rollout",
                                      "promote", str(target.version), "--reason", "chaos: bad delta"],
                                     capture_output=True, text=True, timeout=120)
             c.note(f"v{target.version} promoted by hand (exit {result.returncode})")

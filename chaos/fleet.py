@@ -2,7 +2,7 @@
 
 The gateway, two nodes (``node-a`` in region ``eu``, ``node-b`` in ``us``, each reached through a
 fault-injecting :class:`~chaos.proxy.UpstreamProxy` named as its ``node.url``), two ingest and two
-rewards workers, the trainer and the rollout controller: each ``python -m flywheel.cli --config FILE
+rewards workers, the trainer and the rollout controller: each ``python -m launch.cli --config FILE
 ROLE`` with its own settings file and log. The supervisor restarts a process that exits on its own
 with backoff and counts it as a crash, as ``flywheel up`` does; a fault that stops a process on
 purpose says so first (``wanted``), and its exit is recorded as what it was. :class:`ApiKeys` are
@@ -30,7 +30,7 @@ import httpx
 
 from chaos.proxy import UpstreamProxy
 from chaos.services import free_port, tail, wait_for
-from flywheel.settings import Settings, _deep_merge
+from flywheel.settings import Settings, deep_merge
 
 log = logging.getLogger("flywheel.chaos")
 
@@ -92,7 +92,7 @@ class ApiKeys:
 
 
 class RoleProcess:
-    """``python -m flywheel.cli --config FILE ROLE`` with its log; ``wanted`` says whether the
+    """``python -m launch.cli --config FILE ROLE`` with its log; ``wanted`` says whether the
     supervisor should keep it running."""
 
     def __init__(self, name: str, role: str, config: Path, log_dir: Path) -> None:
@@ -110,7 +110,7 @@ class RoleProcess:
         with open(self.log_path, "ab") as out:
             out.write(f"=== chaos: starting {self.name} at {time.strftime('%H:%M:%S')}\n".encode())
             out.flush()
-            self.process = subprocess.Popen([sys.executable, "-m", "flywheel.cli", "--config", str(self.config), self.role],
+            self.process = subprocess.Popen([sys.executable, "-m", "launch.cli", "--config", str(self.config), self.role],
                                             stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                                             start_new_session=True)
         self.wanted = True
@@ -175,7 +175,7 @@ class Fleet:
     def _settings_for(self, name: str) -> Settings:
         values = self.base.model_dump()
         if name in NODES:
-            values = _deep_merge(values, {"node": {"node_id": name, "region": NODES[name], "port": self.node_ports[name],
+            values = deep_merge(values, {"node": {"node_id": name, "region": NODES[name], "port": self.node_ports[name],
                                                    "url": self.proxies[name].url}})
         return Settings.model_validate(values)
 

@@ -31,7 +31,7 @@ from chaos.proxy import UpstreamFaults, UpstreamProxy
 from chaos.report import ScenarioResult, format_details, format_table
 from chaos.services import ChaosSetupError, Services, SmallDisk, free_port
 from chaos.users import Users
-from flywheel.settings import Settings, _deep_merge
+from flywheel.settings import Settings, deep_merge
 
 log = logging.getLogger("flywheel.chaos")
 
@@ -82,7 +82,7 @@ class ChaosRun:
 
     def __enter__(self) -> ChaosRun:
         if self.model_path is None:
-            from flywheel.tinymodel.build import ensure_default_model
+            from demo.tinymodel.build import ensure_default_model
 
             self.model_path = Path(self.settings.model.path) if self.settings.model.path else ensure_default_model(
                 self.settings.data_path / "models")
@@ -102,8 +102,8 @@ class ChaosRun:
         token = uuid.uuid4().hex[:8]
         database = f"chaos_{self.index}_{name}_{token}"[:60]
         db_url = self.services.postgres.create_database(database)
-        merged = _deep_merge(_deep_merge(self.settings.model_dump(), CHAOS_OVERRIDES), overrides or {})
-        merged = _deep_merge(merged, {
+        merged = deep_merge(deep_merge(self.settings.model_dump(), CHAOS_OVERRIDES), overrides or {})
+        merged = deep_merge(merged, {
             "data_dir": str(run_dir),
             "bus": {"bootstrap_servers": self.services.broker.bootstrap, "topic_prefix": f"chaos{self.index}-{token}."},
             "db": {"url": db_url},
@@ -135,7 +135,7 @@ class ChaosRun:
             store_dir = disks["store"].path / "weights" if "store" in disks else None
             base = self.base_settings(name, run_dir, store_dir, spool_dir, spec.settings)
             database_url = base.database_url
-            from flywheel.up import prepare
+            from launch.up import prepare
 
             base = prepare(base)
             keys = ApiKeys.create(base, users) if base.gateway.auth == "on" else None
@@ -299,3 +299,18 @@ def run_chaos(settings: Settings, options: ChaosOptions) -> int:
     if not options.keep:
         shutil.rmtree(root, ignore_errors=True)
     return 0 if results and all(r.invariants_ok for r in results) else 1
+
+
+def main(args: Any, settings: Settings) -> int:
+    """``flywheel chaos`` (named by the command line's table, launch/cli.py): ``--list`` the
+    scenarios, or run the chosen ones; 2 for options that name no scenario."""
+    if args.list:
+        for scenario in SCENARIOS.values():
+            print(f"{scenario.name:<18} {scenario.summary}")
+        return 0
+    try:
+        options = ChaosOptions.from_args(args)
+    except ValueError as exc:
+        print(f"flywheel chaos: {exc}", file=sys.stderr)
+        return 2
+    return run_chaos(settings, options)

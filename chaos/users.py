@@ -1,6 +1,6 @@
 """Simulated users over HTTP, and the client's log the invariants are checked against.
 
-Each user holds one session after another (the reactions of :func:`flywheel.simusers.react`), a
+Each user holds one session after another (the reactions of :func:`demo.users.react`), a
 third of the completions streamed, each user sending its own API key when the gateway runs with
 auth on. A response counts as received when it is a 200 with its generation header (a stream: once
 ``data: [DONE]`` arrived); feedback is retried until the gateway accepts it (202), its ids making
@@ -67,7 +67,7 @@ class ClientLog:
 
 class Users:
     """``n`` simulated users, each holding one session after another until stopped (the reactions
-    of :func:`flywheel.simusers.react`; a third of requests streamed; ``think_s`` between calls)."""
+    of :func:`demo.users.react`; a third of requests streamed; ``think_s`` between calls)."""
 
     def __init__(self, gateway: str, model_line: str, n: int, seed: int, max_tokens: int = 16,
                  think_s: tuple[float, float] = (0.1, 0.5), timeout_s: float = 30.0,
@@ -107,8 +107,8 @@ class Users:
             self.log.failures.append(Failure(session_id, kind, status, code))
 
     def _session(self, client: httpx.Client, rng: random.Random) -> None:
-        from flywheel.simusers import Behaviour, react
-        from flywheel.tinymodel.task import RETRY_MESSAGE, is_correct, traffic_problem, user_message
+        from demo.tinymodel.task import RETRY_MESSAGE, is_correct, traffic_problem, user_message
+        from demo.users import Behaviour, react
 
         behaviour = Behaviour()
         problem = traffic_problem(rng)

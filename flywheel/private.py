@@ -5,7 +5,7 @@ SQLite database (feedback, API key hashes), weights, checkpoints, heartbeats, an
 settings ``flywheel up`` hands its children (passwords included). All of it is created with folders
 ``0700`` and files ``0600``, whatever umask the process was started with (docs/security.md).
 
-Two steps, both taken by a process's entry point (``flywheel.cli.main``) before anything is created:
+Two steps, both taken by a process's entry point (``launch.cli.main``) before anything is created:
 
 - :func:`private_umask` sets the umask to ``077``. Only a umask reaches every file the process and
   its libraries create: SQLite's ``-wal`` and ``-shm`` files, torch checkpoints, the bus log's

@@ -170,8 +170,19 @@ class StoreSettings(_Section):
 class ModelSettings(_Section):
     #: The model line every version belongs to.
     line: str = "tiny-sim"
-    #: A local Hugging Face model directory; empty means the built-in tiny model, built on first use.
+    #: A local Hugging Face model directory. Empty: the command line (``flywheel node``, ``trainer``,
+    #: ``up``) fills it with the demo's tiny model, built on first use, before it starts a stage; a
+    #: stage started with it empty refuses to start (:meth:`local_dir`).
     path: str = ""
+
+    def local_dir(self) -> Path:
+        """``path``, for a stage about to load the model; an empty ``path`` is an error naming the setting."""
+        if not self.path:
+            raise SettingsError(
+                "model.path is empty: set it to a local Hugging Face model directory (FLYWHEEL_MODEL__PATH), "
+                "or start the role with `flywheel <role>`, which fills it with the demo's tiny model"
+            )
+        return Path(self.path)
 
 
 class GatewaySettings(_Section):
@@ -521,7 +532,7 @@ def load_settings(path: str | os.PathLike[str] | None = None, **overrides: Any) 
         if overrides:
             token = _READ_ENV.set(False)
             try:
-                settings = Settings(**_deep_merge(settings.model_dump(), overrides))
+                settings = Settings(**deep_merge(settings.model_dump(), overrides))
             finally:
                 _READ_ENV.reset(token)
     except ValidationError as exc:
@@ -532,11 +543,13 @@ def load_settings(path: str | os.PathLike[str] | None = None, **overrides: Any) 
     return settings
 
 
-def _deep_merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+def deep_merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    """``base`` with ``extra`` laid over it: nested dicts merge key by key, anything else in
+    ``extra`` replaces what ``base`` holds. Neither argument is modified."""
     out = dict(base)
     for key, value in extra.items():
         if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = _deep_merge(out[key], value)
+            out[key] = deep_merge(out[key], value)
         else:
             out[key] = value
     return out

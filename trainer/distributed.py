@@ -68,7 +68,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from flywheel.tinymodel.sampling import load_state
+from flywheel.lm import load_state
 from trainer.buffer import Batch
 
 try:  # public since torch 2.6

@@ -29,8 +29,8 @@ from typing import Any
 
 import torch
 
+from flywheel.lm import export_state, load_state
 from flywheel.settings import TrainerSettings
-from flywheel.tinymodel.sampling import export_state, load_state
 
 _PEFT_PREFIX = "base_model.model."
 

@@ -27,7 +27,7 @@ offsets -> cleanup.
   whatever its status; an empty registry is seeded with the base model as a full version (by the
   node or ``flywheel up``), or for an adapter line with the zero adapter (by the trainer itself or
   a LoRA-mode vLLM node). Master weights are fp32; versions are the bf16 export
-  (``tinymodel.export_state``), published as a delta against the previous version when that is
+  (``flywheel.lm.export_state``), published as a delta against the previous version when that is
   smaller.
 - Off-policy data is explicit: every sample carries its behaviour versions, the buffer drops (and
   counts) samples more than ``trainer.max_staleness`` versions old, and the loss corrects for the
@@ -58,7 +58,6 @@ import secrets
 import threading
 import time
 from collections import Counter
-from pathlib import Path
 from statistics import fmean
 from typing import Any
 
@@ -72,9 +71,8 @@ from flywheel.db.models import ScoredTrajectoryRow
 from flywheel.db.session import make_session_factory, open_database
 from flywheel.events import ScoredTrajectory
 from flywheel.health import Beat
+from flywheel.lm import load_model
 from flywheel.settings import Settings, TrainerSettings
-from flywheel.tinymodel.build import ensure_default_model
-from flywheel.tinymodel.sampling import load_model
 from flywheel.weights.codec import state_sha256
 from flywheel.weights.registry import Registry, State, VersionInfo
 from flywheel.weights.store import make_store
@@ -108,7 +106,7 @@ def _train(settings: Settings, stop: threading.Event, dist: Dist) -> None:
     cfg = settings.trainer
 
     # --- setup: every rank builds the model; rank 0 finds its weights (checkpoint or registry) ----
-    model_path = Path(settings.model.path) if settings.model.path else ensure_default_model(settings.data_path / "models")
+    model_path = settings.model.local_dir()
     model, _tokenizer = load_model(model_path)  # fp32 master; eval: no dropout, the function the engine served
     reference = load_model(model_path)[0].requires_grad_(False).to(dist.device) if cfg.kl_coef > 0 else None
     vocab_size = model.get_input_embeddings().num_embeddings

@@ -45,8 +45,8 @@ from typing import Any
 
 import torch
 
+from flywheel import lm
 from flywheel.settings import Settings
-from flywheel.tinymodel import sampling
 from flywheel.weights.codec import state_sha256
 
 log = logging.getLogger(__name__)
@@ -113,10 +113,10 @@ class Engine:
         self.model_dir = Path(model_dir)
         self.settings = settings
         self.keep_versions = settings.node.keep_versions
-        model, self.tokenizer = sampling.load_model(self.model_dir)
+        model, self.tokenizer = lm.load_model(self.model_dir)
         self.eos_token_id = int(self.tokenizer.eos_token_id)
         self.max_context = int(getattr(model.config, "max_position_embeddings", 0) or 0) or None
-        state = sampling.export_state(model)
+        state = lm.export_state(model)
         self._live = _Slot(model, state, state_sha256(state))
         #: Named versions, least recently loaded or made live first; holds the live slot once named.
         self._slots: OrderedDict[int, _Slot] = OrderedDict()
@@ -142,10 +142,10 @@ class Engine:
         return self._live.sha256
 
     def prompt_ids(self, messages: list[dict[str, Any]]) -> list[int]:
-        return sampling.chat_prompt_ids(self.tokenizer, messages)
+        return lm.chat_prompt_ids(self.tokenizer, messages)
 
     def text(self, token_ids: list[int]) -> str:
-        return sampling.completion_text(self.tokenizer, token_ids)
+        return lm.completion_text(self.tokenizer, token_ids)
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
@@ -222,7 +222,7 @@ class Engine:
             if held is None:
                 # Reuse the evicted instance's memory, or copy the live model's structure.
                 model = evicted.model if evicted is not None else copy.deepcopy(self._live.model)
-                sampling.load_state(model, state)
+                lm.load_state(model, state)
                 held = _Slot(model, state, sha256)
             with self._meta:
                 self._slots[version] = held
@@ -299,7 +299,7 @@ class Engine:
                     else:
                         version, slot = self.version, self._live
                 assert version is not None
-                samples = sampling.generate(
+                samples = lm.generate(
                     slot.model,
                     [p.request.prompt_ids for p in live],
                     max_new_tokens=max(p.request.max_new_tokens for p in live),

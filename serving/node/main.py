@@ -1,11 +1,12 @@
 """Entry point of the built-in serving node.
 
-Start-up order: wait for the database and upgrade it; make sure the model directory exists
-(``model.path`` or the built-in tiny model); load the engine; name its weights with a registered
-version — on a fresh registry the base model is published as version 0 (full) and marked stable,
-so every generation this node serves names a registered version; otherwise follow the stable
-version before accepting traffic (and preload a canary version, if any). Then serve until
-stopped, with the updater polling. The engine keeps the last ``node.keep_versions`` versions.
+Start-up order: wait for the database and upgrade it; load the engine from ``model.path`` (a local
+model directory; ``flywheel node`` fills an empty one with the demo's tiny model, and an empty one
+here is an error that names the setting); name its weights with a registered version — on a fresh
+registry the base model is published as version 0 (full) and marked stable, so every generation
+this node serves names a registered version; otherwise follow the stable version before accepting
+traffic (and preload a canary version, if any). Then serve until stopped, with the updater polling.
+The engine keeps the last ``node.keep_versions`` versions.
 
 With ``node.engine = "vllm"``, :func:`run_vllm` keeps a vLLM server on the registry's versions, as
 full weights or as LoRA adapters (``node.vllm_mode``). In full mode the process also serves the
@@ -18,20 +19,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from pathlib import Path
 from typing import Any
 
 from flywheel.settings import Settings
 
 log = logging.getLogger(__name__)
-
-
-def model_dir(settings: Settings) -> Path:
-    if settings.model.path:
-        return Path(settings.model.path)
-    from flywheel.tinymodel.build import ensure_default_model
-
-    return ensure_default_model(settings.data_path / "models")
 
 
 def bootstrap_version(engine, registry) -> None:  # type: ignore[no-untyped-def]
@@ -66,6 +58,7 @@ def run(settings: Settings, stop: threading.Event | None = None) -> None:
     if settings.node.engine == "vllm":
         run_vllm(settings, stop)
         return
+    model_path = settings.model.local_dir()  # before anything starts: an empty model.path is an error
     from serving.node.app import create_app
     from serving.node.engine import Engine
     from serving.node.updater import Updater, node_url
@@ -77,7 +70,7 @@ def run(settings: Settings, stop: threading.Event | None = None) -> None:
     with contextlib.ExitStack() as cleanup:
         sessions, registry, live = _open(settings, cleanup)
 
-        engine = Engine(model_dir(settings), settings)
+        engine = Engine(model_path, settings)
         cleanup.callback(engine.close)
         bootstrap_version(engine, registry)
         url = node_url(settings)
@@ -121,11 +114,11 @@ def run_vllm(settings: Settings, stop: threading.Event | None = None) -> None:
     from serving.node.vllm_front import VersionGate, create_front
     from serving.server import bind, serve
 
+    base_path = settings.model.local_dir()  # the folder vLLM was started from
     stop = stop or threading.Event()
     with contextlib.ExitStack() as cleanup:
         sessions, registry, live = _open(settings, cleanup)
 
-        base_path = model_dir(settings)
         base_state: dict = {}
         for shard in sorted(base_path.glob("*.safetensors")):
             base_state.update(decode_full(shard.read_bytes()))
@@ -173,7 +166,7 @@ def _run_vllm_lora(settings: Settings, stop: threading.Event) -> None:
     with contextlib.ExitStack() as cleanup:
         sessions, registry, live = _open(settings, cleanup)
         if registry.latest() is None:
-            base_path = model_dir(settings)
+            base_path = settings.model.local_dir()
             zero = zero_adapter_state(base_path, lora.lora_rank, lora.lora_targets, seed=lora.seed)
             info = registry.ensure_base(zero, reason=f"vllm node bootstrap: zero LoRA adapter on {base_path}")
             log.info("published the zero LoRA adapter as version %d (%s)", info.version, info.sha256[:12])

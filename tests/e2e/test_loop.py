@@ -10,7 +10,7 @@ import threading
 
 import pytest
 
-from flywheel.demo import DemoOptions, run_demo
+from demo.run import DemoOptions, run_demo
 from flywheel.settings import load_settings
 
 pytestmark = pytest.mark.e2e

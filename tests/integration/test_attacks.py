@@ -429,9 +429,9 @@ def _tree(path: Path) -> dict[str, bytes | str]:
 
 
 def test_forged_store_keys_never_read_write_or_delete_outside_the_store(stack: Stack, traversal, tmp_path) -> None:
-    from flywheel.cli import main
     from flywheel.weights.registry import Registry, WeightsError
     from flywheel.weights.store import FolderStore, InvalidKey, RegionalCache
+    from launch.cli import main
 
     root, outside, line = traversal
     before_outside, before_root = _tree(outside), _tree(root)
@@ -489,8 +489,8 @@ def test_a_forged_store_key_cannot_reach_another_prefix_in_s3(stack: Stack, s3, 
 def test_weights_cli_output_is_not_written_through_a_planted_symlink(tmp_path: Path) -> None:
     import torch
 
-    from flywheel.cli import main
     from flywheel.weights.codec import encode_full
+    from launch.cli import main
 
     shared = tmp_path / "shared"  # a folder others can write to, such as /tmp
     shared.mkdir()
@@ -667,7 +667,7 @@ def test_sql_payloads_in_http_parameters_are_refused_or_literal(stack: Stack, pa
 
 
 def _cli(stack: Stack, *argv: str) -> tuple[int, str, str]:
-    from flywheel.cli import main
+    from launch.cli import main
 
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
@@ -1053,7 +1053,7 @@ def test_secrets_never_reach_logs_error_messages_or_outputs(stack: Stack, caplog
     monkeypatch.setenv("FLYWHEEL_DB__WAIT_S", "0.3")
     monkeypatch.setenv("FLYWHEEL_LIVE__REDIS_URL", f"redis://:{secret}@127.0.0.1:6379/0")
     monkeypatch.setenv("FLYWHEEL_REWARDS__JUDGE_API_KEY", secret)
-    from flywheel.cli import main
+    from launch.cli import main
 
     outputs = []
     for argv in (["settings"], ["keys", "list"], ["db", "upgrade"], ["rollout", "status"]):

@@ -1,4 +1,4 @@
-"""Capture under real faults: the gateway is a subprocess (``python -m flywheel.cli gateway``) in
+"""Capture under real faults: the gateway is a subprocess (``python -m launch.cli gateway``) in
 front of the canned OpenAI upstream (``bench/upstream.py``), shipping to a Tansu broker, while
 client threads keep sending chat completions (plain and streamed), each in its own session.
 
@@ -83,7 +83,7 @@ class GatewayProcess:
     def start(self) -> "GatewayProcess":
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "flywheel.cli", "gateway", "--port", str(self.port),
+                [sys.executable, "-m", "launch.cli", "gateway", "--port", str(self.port),
                  "--upstream", self.upstream],
                 cwd=REPO, env=self.env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             )

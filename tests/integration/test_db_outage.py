@@ -1,6 +1,6 @@
 """Database outages ridden out in-process by the ingest and rewards workers, injected for real.
 
-The fault: while a real worker process (``python -m flywheel.cli ingest`` or ``rewards``) is in
+The fault: while a real worker process (``python -m launch.cli ingest`` or ``rewards``) is in
 the middle of a batch, its PostgreSQL database stops accepting connections (``ALTER DATABASE ...
 ALLOW_CONNECTIONS false``) and every backend connected to it is terminated (``pg_terminate_backend``),
 for ``OUTAGE_S`` seconds; then connections are allowed again. For the worker that is what a

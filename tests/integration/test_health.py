@@ -1,4 +1,4 @@
-"""``flywheel health`` against a real worker: a ``python -m flywheel.cli ingest`` process on embedded
+"""``flywheel health`` against a real worker: a ``python -m launch.cli ingest`` process on embedded
 defaults (local log bus, SQLite) in a temporary data dir, the command line the container health
 checks in docker-compose.yml run.
 
@@ -44,7 +44,7 @@ def test_health_follows_a_real_ingest_worker(tmp_path):
     settings = load_settings(None, data_dir=str(tmp_path / "data"))
 
     def health(max_age_s: float = MAX_AGE_S) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "flywheel.cli", "health", "ingest", "--max-age-s", str(max_age_s)],
+        return subprocess.run([sys.executable, "-m", "launch.cli", "health", "ingest", "--max-age-s", str(max_age_s)],
                               cwd=REPO, env=env, capture_output=True, text=True, timeout=30)
 
     def healthy() -> bool:
@@ -55,7 +55,7 @@ def test_health_follows_a_real_ingest_worker(tmp_path):
 
     log = tmp_path / "ingest.log"
     with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "flywheel.cli", "ingest"], cwd=REPO, env=env,
+        proc = subprocess.Popen([sys.executable, "-m", "launch.cli", "ingest"], cwd=REPO, env=env,
                                 stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     try:
         wait_for("the first beat", healthy, 60, proc, log)

@@ -75,7 +75,7 @@ class Up:
 
     def cli(self, *argv: str) -> str:
         """``flywheel --config ... ARGV`` as its own process (under umask 022, as the stack)."""
-        result = subprocess.run([sys.executable, "-m", "flywheel.cli", "--config", str(self.config), *argv],
+        result = subprocess.run([sys.executable, "-m", "launch.cli", "--config", str(self.config), *argv],
                                 cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120, umask=0o022)
         assert result.returncode == 0, result.stderr
         return result.stdout
@@ -109,7 +109,7 @@ def up(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Iterat
     config = write_config(root / "settings.json", settings)
     log = root / "up.log"
     with open(log, "ab") as out:
-        process = subprocess.Popen([sys.executable, "-m", "flywheel.cli", "--config", str(config), "up"], cwd=ROOT,
+        process = subprocess.Popen([sys.executable, "-m", "launch.cli", "--config", str(config), "up"], cwd=ROOT,
                                    env=_env(), stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                    start_new_session=True, umask=0o022)
     stack = Up(settings, config, log, process)

@@ -1,6 +1,6 @@
 """Ingest (and rewards) worker processes in one consumer group: rebalances and kill -9, exactly once.
 
-Every worker here is a real ``python -m flywheel.cli ingest`` (or ``rewards``) process over the
+Every worker here is a real ``python -m launch.cli ingest`` (or ``rewards``) process over the
 same database and bus: a Kafka-protocol broker (Tansu) with PostgreSQL, and the embedded
 deployment, the local log with SQLite. (The bus and the database do not meet in these scenarios,
 so the other two combinations would prove nothing more; test_ingest_order runs one ingestor on

@@ -13,10 +13,10 @@ from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from sqlalchemy import event, inspect
 
-from flywheel.cli import main
 from flywheel.db.models import Base
 from flywheel.db.session import downgrade, make_engine, make_session_factory, upgrade
 from flywheel.keys import create_key, key_hash, revoke_key
+from launch.cli import main
 from serving.errors import APIError
 from serving.gateway.auth import INVALID_KEY_MESSAGE, KeyStore
 

@@ -10,7 +10,7 @@ from typing import Iterator
 import openai
 import pytest
 
-from flywheel.tinymodel import sampling
+from flywheel import lm
 from tests.fixtures.roles import MESSAGES
 from tests.integration.test_streaming import Served, faulty_upstream, running_stack
 
@@ -30,7 +30,7 @@ def client(served) -> Iterator[openai.OpenAI]:
 
 
 def test_chat_and_the_flywheel_headers(client, served, tiny_model_dir):
-    _, tokenizer = sampling.load_model(tiny_model_dir)
+    _, tokenizer = lm.load_model(tiny_model_dir)
     raw = client.chat.completions.with_raw_response.create(
         model=served.settings.model.line, messages=MESSAGES, max_tokens=8, seed=11,
         extra_headers={"X-Flywheel-Session": "sdk-1"},
@@ -49,8 +49,8 @@ def test_chat_and_the_flywheel_headers(client, served, tiny_model_dir):
     choice = rich.choices[0]
     assert choice.message.content == completion.choices[0].message.content
     assert choice.token_ids and len(choice.token_ids) == len(choice.logprobs.content)
-    assert rich.prompt_token_ids == sampling.chat_prompt_ids(tokenizer, MESSAGES)
-    assert choice.message.content == sampling.completion_text(tokenizer, choice.token_ids)
+    assert rich.prompt_token_ids == lm.chat_prompt_ids(tokenizer, MESSAGES)
+    assert choice.message.content == lm.completion_text(tokenizer, choice.token_ids)
 
     generation = raw.headers["X-Flywheel-Generation"]
     (event,) = served.events([generation])[generation]

@@ -48,8 +48,8 @@ class Traffic:
 @pytest.fixture(scope="module")
 def traffic(tiny_model_dir: Path) -> Traffic:
     """Eight sessions served by the quick model: half solved (thumbs up), half retried then abandoned."""
-    from flywheel.tinymodel.sampling import chat_prompt_ids, completion_text, generate, load_model
-    from flywheel.tinymodel.task import RETRY_MESSAGE, traffic_problem, user_message
+    from flywheel.lm import chat_prompt_ids, completion_text, generate, load_model
+    from demo.tinymodel.task import RETRY_MESSAGE, traffic_problem, user_message
 
     model, tok = load_model(tiny_model_dir)
     rng = random.Random(7)
@@ -322,7 +322,7 @@ def send_feedback(settings: Settings, *events: FeedbackEvent) -> None:
 
 def registry_for(settings: Settings) -> Registry:
     """The line's registry, with the base model registered as stable v0 (what the node does at start)."""
-    from flywheel.tinymodel.sampling import export_state, load_model
+    from flywheel.lm import export_state, load_model
 
     engine = make_engine(settings.database_url)
     registry = Registry(make_session_factory(engine), make_store(settings), settings.model.line)

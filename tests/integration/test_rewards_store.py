@@ -16,11 +16,11 @@ import pytest
 from sqlalchemy import func, select
 
 from flywheel.bus import Record, dlq_topic, make_bus
-from flywheel.cli import main as cli_main
 from flywheel.db.models import RewardVersionStats, ScoredTrajectoryRow, Trajectory
 from flywheel.db.session import insert_ignore, make_engine, make_session_factory
 from flywheel.events import FeedbackEvent, ScoredTrajectory, Segment, TrajectoryEvent, Turn
 from flywheel.settings import Settings
+from launch.cli import main as cli_main
 from rewards import store
 from rewards.guards import is_held_out
 from rewards.normalise import Normaliser

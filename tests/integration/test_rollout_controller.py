@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from flywheel.cli import build_parser, dispatch
+from launch.cli import build_parser, dispatch
 from flywheel.db.models import Feedback, Generation, Node, RewardSpecRow, RewardVersionStats
 from flywheel.events import VersionEvent
 from flywheel.settings import RolloutSettings, load_settings
@@ -346,7 +346,7 @@ def test_a_pin_survives_a_restart_of_every_process(registry, migrated_db_url, tm
         "rollout": POLICY.model_dump()}))
 
     def cli(*argv: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "flywheel.cli", "--config", str(config), "rollout", *argv],
+        return subprocess.run([sys.executable, "-m", "launch.cli", "--config", str(config), "rollout", *argv],
                               capture_output=True, text=True, timeout=120, cwd=Path(__file__).parents[2])
 
     pinned = cli("pin", "0", "--reason", "survives")

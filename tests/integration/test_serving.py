@@ -22,12 +22,12 @@ import httpx
 import pytest
 import torch
 
+from flywheel import lm
 from flywheel.bus import make_bus
 from flywheel.db.models import Node
 from flywheel.db.session import make_engine, make_session_factory
 from flywheel.events import FeedbackEvent, GenerationEvent, feedback_event_id
 from flywheel.settings import Settings, load_settings
-from flywheel.tinymodel import sampling
 from flywheel.weights.registry import Registry
 from flywheel.weights.store import make_store
 from tests.fixtures.roles import MESSAGES, RoleThread, free_port, wait_until
@@ -45,7 +45,7 @@ def quick_model_dir(tiny_model_dir):
 @pytest.fixture(scope="session")
 def reference(quick_model_dir):
     """An independent copy of the model, to recompute logprobs from served token ids."""
-    model, tokenizer = sampling.load_model(quick_model_dir)
+    model, tokenizer = lm.load_model(quick_model_dir)
     return model, tokenizer
 
 
@@ -146,9 +146,9 @@ def node_stack(tmp_path, migrated_db_url, quick_model_dir, redis_url, live_prefi
 def _served_logprobs_match(reference, state, event: GenerationEvent) -> float:
     """Largest gap between served logprobs and a fresh full forward pass over the served ids."""
     model, _ = reference
-    sampling.load_state(model, state)
+    lm.load_state(model, state)
     tokens = event.prompt_token_ids + event.completion_token_ids
-    recomputed = sampling.token_logprobs(model, tokens)[len(event.prompt_token_ids) - 1 :]
+    recomputed = lm.token_logprobs(model, tokens)[len(event.prompt_token_ids) - 1 :]
     assert len(recomputed) == len(event.completion_logprobs)
     return max(abs(a - b) for a, b in zip(recomputed, event.completion_logprobs, strict=True))
 
@@ -178,7 +178,7 @@ def test_gateway_captures_generations_and_feedback(stack, reference):
         content = rich["choices"][0]["logprobs"]["content"]
         assert len(content) == len(rich["choices"][0]["token_ids"]) == rich["usage"]["completion_tokens"]
         assert all(set(e) == {"token", "logprob", "bytes", "top_logprobs"} and e["top_logprobs"] == [] for e in content)
-        assert rich["prompt_token_ids"] == sampling.chat_prompt_ids(tokenizer, MESSAGES)
+        assert rich["prompt_token_ids"] == lm.chat_prompt_ids(tokenizer, MESSAGES)
 
         fb = client.post(
             f"{stack.gateway}/v1/feedback",
@@ -197,13 +197,13 @@ def test_gateway_captures_generations_and_feedback(stack, reference):
     assert first.sampling.temperature == 1.0 and first.sampling.max_tokens == 12
     assert first.latency_ms > 0
     for event in events:
-        assert event.prompt_token_ids == sampling.chat_prompt_ids(tokenizer, MESSAGES)
+        assert event.prompt_token_ids == lm.chat_prompt_ids(tokenizer, MESSAGES)
         assert len(event.completion_token_ids) == len(event.completion_logprobs) in range(1, 13)
         assert all(lp <= 0.0 and math.isfinite(lp) for lp in event.completion_logprobs)
         assert event.response["choices"][0]["token_ids"] == event.completion_token_ids
     # The text the client saw is the decoding of the captured ids (no re-tokenisation anywhere).
     assert second.completion_token_ids == rich["choices"][0]["token_ids"]
-    assert rich["choices"][0]["message"]["content"] == sampling.completion_text(tokenizer, second.completion_token_ids)
+    assert rich["choices"][0]["message"]["content"] == lm.completion_text(tokenizer, second.completion_token_ids)
     # The served logprobs are the model's own log-probabilities of the served ids (temperature 1).
     base = stack.registry.load(0)
     assert _served_logprobs_match(reference, base, second) < 1e-3
@@ -330,8 +330,8 @@ def _logprob_gap(reference, state: dict[str, torch.Tensor], prompt_ids: list[int
                  logprobs: list[float]) -> float:
     """Largest gap between served logprobs and a fresh forward pass of ``state`` over the served ids."""
     model, _ = reference
-    sampling.load_state(model, state)
-    recomputed = sampling.token_logprobs(model, prompt_ids + ids)[len(prompt_ids) - 1 :]
+    lm.load_state(model, state)
+    recomputed = lm.token_logprobs(model, prompt_ids + ids)[len(prompt_ids) - 1 :]
     return max(abs(a - b) for a, b in zip(recomputed, logprobs, strict=True))
 
 

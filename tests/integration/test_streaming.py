@@ -22,10 +22,10 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
+from flywheel import lm
 from flywheel.bus import make_bus
 from flywheel.events import GenerationEvent
 from flywheel.settings import Settings, load_settings
-from flywheel.tinymodel import sampling
 from tests.fixtures.roles import MESSAGES, RefusingProducer, RoleThread, free_port, served_app, wait_until
 
 pytestmark = pytest.mark.integration
@@ -110,7 +110,7 @@ def served(tmp_path_factory, tiny_model_dir) -> Iterator[Served]:
 
 @pytest.fixture(scope="module")
 def tokenizer(tiny_model_dir):
-    return sampling.load_model(tiny_model_dir)[1]
+    return lm.load_model(tiny_model_dir)[1]
 
 
 def sse(response: httpx.Response) -> list[Any]:
@@ -158,7 +158,7 @@ def test_a_stream_is_relayed_whole_and_captured_once(served, tokenizer):
     assert usage_chunk["choices"] == [] and usage_chunk["usage"]["completion_tokens"] >= 1
     assert all(c["usage"] is None for c in content_chunks)
     assert content_chunks[0]["choices"][0]["delta"]["role"] == "assistant"
-    assert content_chunks[0]["prompt_token_ids"] == sampling.chat_prompt_ids(tokenizer, MESSAGES)
+    assert content_chunks[0]["prompt_token_ids"] == lm.chat_prompt_ids(tokenizer, MESSAGES)
     finishes = [c["choices"][0]["finish_reason"] for c in content_chunks]
     assert finishes[-1] in ("stop", "length") and set(finishes[:-1]) == {None}
 
@@ -172,7 +172,7 @@ def test_a_stream_is_relayed_whole_and_captured_once(served, tokenizer):
         ids += choice.get("token_ids") or []
         logprobs += [e["logprob"] for e in entries]
     assert len(ids) == usage_chunk["usage"]["completion_tokens"]
-    assert text == sampling.completion_text(tokenizer, ids)
+    assert text == lm.completion_text(tokenizer, ids)
     rich = plain.json()["choices"][0]
     assert (text, ids, logprobs) == (rich["message"]["content"], rich["token_ids"],
                                      [e["logprob"] for e in rich["logprobs"]["content"]])

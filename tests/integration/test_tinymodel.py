@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from flywheel.tinymodel import task
-from flywheel.tinymodel.build import QUICK, ensure_default_model
-from flywheel.tinymodel.sampling import (
+from demo.tinymodel import task
+from demo.tinymodel.build import QUICK, ensure_default_model
+from demo.tinymodel.evaluate import evaluate
+from flywheel.lm import (
     chat_prompt_ids,
     completion_text,
-    evaluate,
     export_state,
     generate,
     load_model,

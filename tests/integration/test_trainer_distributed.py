@@ -119,7 +119,7 @@ def test_the_trainer_loop_under_torchrun_trains_like_one_process(tiny_model_dir:
         env["OMP_NUM_THREADS"] = "1"
         log_path = root / "trainer.log"
         with open(log_path, "wb") as out:
-            proc = subprocess.Popen([sys.executable, *launcher, "-m", "flywheel.cli", "--config", str(root / "settings.json"),
+            proc = subprocess.Popen([sys.executable, *launcher, "-m", "launch.cli", "--config", str(root / "settings.json"),
                                      "trainer"], cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 180
         while len(trained_ids(registry)) < len(samples) and proc.poll() is None and time.monotonic() < deadline:

@@ -1,7 +1,7 @@
 """kill -9 the trainer at a random moment and restart it: nothing lost, nothing trained twice, no
 version number reused.
 
-The trainer runs as a real process (``python -m flywheel.cli --config settings.json trainer``) on a
+The trainer runs as a real process (``python -m launch.cli --config settings.json trainer``) on a
 local-log bus and SQLite under ``tmp_path``, with the quick tiny model. The scored trajectories are
 real: token ids and logprobs sampled from that model, sent as ScoredTrajectory events, among them
 redelivered duplicates, late revisions and one undecodable record. The random kill lands in any
@@ -42,8 +42,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 def scored_trajectories(model_dir: Path, n: int, seed: int) -> list[ScoredTrajectory]:
     """``n`` single-turn trajectories served by version 0 of the quick model, rewarded at random."""
-    from flywheel.tinymodel.sampling import chat_prompt_ids, generate, load_model
-    from flywheel.tinymodel.task import traffic_problem, user_message
+    from demo.tinymodel.task import traffic_problem, user_message
+    from flywheel.lm import chat_prompt_ids, generate, load_model
 
     model, tok = load_model(model_dir)
     rng = random.Random(seed)
@@ -98,7 +98,7 @@ def make_settings(tmp_path: Path, db_url: str, model_dir: Path, **trainer: Any) 
 def registry_for(settings: Settings) -> Registry:
     """The line's registry, with the base model registered as stable v0 (what the node does at start);
     an adapter line is left empty: the trainer registers the zero adapter itself."""
-    from flywheel.tinymodel.sampling import export_state, load_model
+    from flywheel.lm import export_state, load_model
 
     upgrade(settings.database_url)
     registry = Registry(make_session_factory(make_engine(settings.database_url)), make_store(settings),
@@ -128,7 +128,7 @@ def send(settings: Settings, values: list[bytes]) -> None:
 def start_trainer(config: Path, log_path: Path) -> subprocess.Popen[bytes]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     with open(log_path, "ab") as out:
-        return subprocess.Popen([sys.executable, "-m", "flywheel.cli", "--config", str(config), "trainer"],
+        return subprocess.Popen([sys.executable, "-m", "launch.cli", "--config", str(config), "trainer"],
                                 cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=env)
 
 

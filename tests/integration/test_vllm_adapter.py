@@ -319,7 +319,7 @@ def test_the_trainers_adapter_versions_load_into_vllm(sessions, tmp_path: Path, 
     import copy
 
     from flywheel.settings import TrainerSettings
-    from flywheel.tinymodel.sampling import load_model
+    from flywheel.lm import load_model
     from serving.node.vllm_adapter import zero_adapter_state
     from trainer.policy import Policy
 

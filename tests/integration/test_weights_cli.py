@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from flywheel.cli import main
 from flywheel.db.session import make_engine, make_session_factory, upgrade
 from flywheel.weights.codec import decode_full, encode_full, state_sha256
 from flywheel.weights.registry import Registry
 from flywheel.weights.store import FolderStore
+from launch.cli import main
 from tests.integration.test_registry import assert_bit_exact, make_state, train_step
 
 pytestmark = pytest.mark.integration

@@ -5,9 +5,9 @@ import random
 
 import pytest
 
-from flywheel.cli import main
+from demo.users import Behaviour, react
 from flywheel.events import FeedbackEvent
-from flywheel.simusers import Behaviour, react
+from launch.cli import main
 
 pytestmark = pytest.mark.unit
 
@@ -54,9 +54,9 @@ def test_every_reaction_is_valid_feedback():
 def test_up_registers_the_base_model_except_on_an_adapter_line(tmp_path, tiny_model_dir, publish) -> None:
     from flywheel.db.session import make_engine, make_session_factory
     from flywheel.settings import load_settings
-    from flywheel.up import prepare
     from flywheel.weights.registry import Registry
     from flywheel.weights.store import make_store
+    from launch.up import prepare
 
     settings = prepare(load_settings(None, data_dir=str(tmp_path), model={"path": str(tiny_model_dir)},
                                      trainer={"lora_rank": 4, "lora_publish": publish}))
@@ -64,3 +64,23 @@ def test_up_registers_the_base_model_except_on_an_adapter_line(tmp_path, tiny_mo
     latest = registry.latest()
     # An adapter line's v0 is the zero adapter (the LoRA node or the trainer registers it), never full weights.
     assert (latest is None) if publish == "adapter" else (latest is not None and latest.version == 0 and latest.kind == "full")
+
+
+def test_the_kernel_imports_no_stage_and_no_application():
+    """flywheel/ is a library: the command line reaches stages and applications by name only."""
+    import re
+    from pathlib import Path
+
+    kernel = Path(__file__).resolve().parents[2] / "flywheel"
+    pattern = re.compile(r"^\s*(from|import) (serving|ingest|rewards|trainer|chaos|bench|launch|demo|migrations)\b")
+    found = [f"{path.relative_to(kernel.parent)}:{n}: {line.strip()}" for path in sorted(kernel.rglob("*.py"))
+             for n, line in enumerate(path.read_text().splitlines(), 1) if pattern.match(line)]
+    assert found == []
+
+
+def test_every_name_in_the_command_tables_resolves():
+    from launch.cli import COMMANDS, ROLES, resolve
+    from launch.up import DEFAULT_MODEL
+
+    for target in [*ROLES.values(), *COMMANDS.values(), DEFAULT_MODEL]:
+        assert callable(resolve(target)), target

@@ -20,9 +20,9 @@ import jsonschema
 import pytest
 import yaml
 
-from flywheel.cli import ROLES, build_parser
 from flywheel.health import ROLES as BEATING_ROLES
 from flywheel.settings import Settings, load_settings
+from launch.cli import ROLES, build_parser
 
 pytestmark = pytest.mark.unit
 
@@ -275,7 +275,7 @@ def test_stages_without_http_are_checked_by_their_heartbeat(role):
     # Longer than any pause a healthy loop makes between beats (see the comments in the file).
     assert args.max_age_s >= {"ingest": 60, "rewards": 120, "trainer": 600, "rollout": 30}[role]
     scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
-    assert scripts["flywheel"] == "flywheel.cli:main"
+    assert scripts["flywheel"] == "launch.cli:main"
 
 
 def test_gateway_is_published_with_auth_and_falls_back_to_the_node(monkeypatch):

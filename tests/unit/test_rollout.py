@@ -9,8 +9,8 @@ from datetime import UTC, datetime
 
 import pytest
 
-from flywheel.cli import build_parser
 from flywheel.weights.registry import PinInfo
+from launch.cli import build_parser
 from serving.rollout import Decision, pinned_decision
 from serving.rollout_policy import decide
 

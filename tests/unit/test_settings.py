@@ -176,3 +176,9 @@ def test_wrong_types_are_rejected_not_coerced_silently():
         load_settings(bus={"partitions": "many"})
     with pytest.raises(SettingsError, match=r"bus\.kind"):
         load_settings(bus={"kind": "rabbitmq"})
+
+
+def test_an_empty_model_path_is_refused_by_name_where_a_stage_loads_the_model(tmp_path):
+    assert load_settings(model={"path": str(tmp_path)}).model.local_dir() == tmp_path
+    with pytest.raises(SettingsError, match=r"model\.path is empty"):
+        load_settings().model.local_dir()  # the command line fills it; a stage never guesses one

@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from flywheel.tinymodel import task
-from flywheel.tinymodel.task import Problem
+from demo.tinymodel import task
+from demo.tinymodel.task import Problem
 
 pytestmark = pytest.mark.unit
 

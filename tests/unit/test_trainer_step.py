@@ -116,7 +116,7 @@ def _task_samples(tokenizer_vocab: int, n: int, seed: int, version: int = 0) -> 
 
 @pytest.fixture(scope="module")
 def tiny(tiny_model_dir):
-    from flywheel.tinymodel.sampling import load_model
+    from flywheel.lm import load_model
 
     torch.manual_seed(0)
     model, _ = load_model(tiny_model_dir)
@@ -165,7 +165,7 @@ def test_kl_reference_at_the_start_adds_nothing_but_the_metric(tiny) -> None:
 
 
 def test_lora_policy_exports_base_names_and_starts_equal(tiny) -> None:
-    from flywheel.tinymodel.sampling import export_state
+    from flywheel.lm import export_state
     from trainer.policy import Policy
 
     plain = export_state(tiny)
@@ -184,7 +184,7 @@ def test_lora_policy_exports_base_names_and_starts_equal(tiny) -> None:
     changed = [k for k in plain if not torch.equal(moved[k], plain[k])]
     assert changed and all(k.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight")) for k in changed)
     # the export is the function the wrapped model computes
-    from flywheel.tinymodel.sampling import load_state
+    from flywheel.lm import load_state
 
     merged = copy.deepcopy(tiny)
     load_state(merged, {k: v.float() for k, v in moved.items()})
@@ -209,7 +209,7 @@ def test_lora_adapter_versions_are_the_peft_adapter_state(tiny, tmp_path) -> Non
     import safetensors.torch
     from pydantic import ValidationError
 
-    from flywheel.tinymodel.sampling import export_state
+    from flywheel.lm import export_state
     from flywheel.weights.codec import state_sha256
     from trainer.policy import Policy
 

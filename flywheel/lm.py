@@ -1,4 +1,4 @@
-"""Loading, sampling and weight exchange for a small causal LM (the tiny model or any local HF one).
+"""A local Hugging Face causal LM: load, sample with token ids and logprobs, export/load its weights.
 
 - :func:`load_model` reads a local Hugging Face directory; weights are bf16 values, computed in
   fp32, in eval mode. Thread counts are left to the caller.
@@ -22,8 +22,6 @@ from typing import Literal
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from transformers.utils import logging as hf_logging
-
-from flywheel.tinymodel.task import Problem, is_correct, user_message
 
 hf_logging.disable_progress_bar()  # a server's log is no place for progress bars
 
@@ -168,26 +166,3 @@ def load_state(model: PreTrainedModel, state: dict[str, torch.Tensor]) -> None:
             raise ValueError(f"{name}: shape {tuple(src.shape)} does not match the model's {tuple(p.shape)}")
         p.copy_(src)
 
-
-def evaluate(
-    model: PreTrainedModel,
-    tokenizer,
-    problems: list[Problem],
-    *,
-    seed: int = 0,
-    batch_size: int = 64,
-    max_new_tokens: int = 16,
-) -> float:
-    """Success rate over ``problems`` with one temperature-1 answer each (the held-out metric)."""
-    if not problems:
-        raise ValueError("no problems to evaluate")
-    eos = tokenizer.eos_token_id
-    solved = 0
-    for start in range(0, len(problems), batch_size):
-        chunk = problems[start : start + batch_size]
-        prompts = [chat_prompt_ids(tokenizer, [{"role": "user", "content": user_message(p)}]) for p in chunk]
-        samples = generate(
-            model, prompts, max_new_tokens=max_new_tokens, temperature=1.0, seed=seed + start, eos_token_id=eos
-        )
-        solved += sum(is_correct(p, completion_text(tokenizer, s.token_ids)) for p, s in zip(chunk, samples, strict=True))
-    return solved / len(problems)

@@ -20,7 +20,7 @@ from typing import Any
 
 import httpx
 
-from flywheel.tinymodel.task import RETRY_MESSAGE, Problem, is_correct, traffic_problem, user_message
+from demo.tinymodel.task import RETRY_MESSAGE, Problem, is_correct, traffic_problem, user_message
 
 log = logging.getLogger("flywheel.simusers")
 

@@ -12,6 +12,7 @@ children gracefully (SIGTERM, then SIGKILL after a grace period).
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import os
@@ -31,6 +32,27 @@ log = logging.getLogger("flywheel.up")
 ALL_ROLES = ("node", "gateway", "ingest", "rewards", "trainer", "rollout")
 
 
+#: The model a role loads when ``model.path`` is empty: "module:function" taking ``(cache_dir,
+#: quick=False)`` and returning the model directory, built there on first use. The demo's tiny
+#: model, reached by name: the composition roots choose it, the stages only read ``model.path``.
+DEFAULT_MODEL = "demo.tinymodel.build:ensure_default_model"
+
+
+def default_model(cache_dir: Path, quick: bool = False) -> Path:
+    """The default model's directory under ``cache_dir`` (:data:`DEFAULT_MODEL`), built if needed."""
+    module, _, func = DEFAULT_MODEL.partition(":")
+    return Path(getattr(importlib.import_module(module), func)(cache_dir, quick=quick))
+
+
+def with_model(settings: Settings) -> Settings:
+    """``settings`` whose ``model.path`` names a model directory: its own, else the default model
+    (built under ``{data_dir}/models`` on first use)."""
+    if settings.model.path:
+        return settings
+    path = default_model(settings.data_path / "models")
+    return settings.model_copy(update={"model": settings.model.model_copy(update={"path": str(path)})})
+
+
 def prepare(settings: Settings) -> Settings:
     """Upgrade the database and build the default model; return settings that name the model dir."""
     from flywheel.db.session import upgrade, wait_for_db
@@ -39,11 +61,7 @@ def prepare(settings: Settings) -> Settings:
     make_private(settings.data_path, create=True)
     wait_for_db(settings.database_url, settings.db.wait_s)
     upgrade(settings.database_url)
-    if not settings.model.path:
-        from flywheel.tinymodel.build import ensure_default_model
-
-        path = ensure_default_model(settings.data_path / "models")
-        settings = settings.model_copy(update={"model": settings.model.model_copy(update={"path": str(path)})})
+    settings = with_model(settings)
     register_base(settings)
     return settings
 
@@ -52,7 +70,7 @@ def register_base(settings: Settings) -> None:
     """Register the base model as stable version 0 of its line when the registry is empty (an
     adapter line's version 0 is the zero adapter, which the LoRA node or the trainer registers)."""
     from flywheel.db.session import make_engine, make_session_factory
-    from flywheel.tinymodel.sampling import export_state, load_model
+    from flywheel.lm import export_state, load_model
     from flywheel.weights.registry import Registry
     from flywheel.weights.store import make_store
 
@@ -94,7 +112,7 @@ class Stack:
 
     def _spawn(self, role: str, restarts: int = 0) -> _Child:
         log_path = self.log_dir / f"{role}.log"
-        cmd = [sys.executable, "-m", "flywheel.cli", "--config", str(self.config_path), role]
+        cmd = [sys.executable, "-m", "launch.cli", "--config", str(self.config_path), role]
         env = dict(os.environ)
         env.setdefault("OMP_NUM_THREADS", "1")
         with open(log_path, "ab") as out:

@@ -33,9 +33,9 @@ from typing import Any
 
 import httpx
 
+from demo.users import Served, UserPool
 from flywheel.settings import Settings
-from flywheel.simusers import Served, UserPool
-from flywheel.up import Stack, prepare
+from launch.up import Stack, prepare
 
 log = logging.getLogger("flywheel.demo")
 
@@ -82,7 +82,7 @@ def free_port() -> int:
 
 def model_path(settings: Settings, label: str = "flywheel demo") -> Path:
     """The model directory the loop serves: ``model.path``, else the default tiny model (built once)."""
-    from flywheel.tinymodel.build import ensure_default_model
+    from demo.tinymodel.build import ensure_default_model
 
     if settings.model.path:
         return Path(settings.model.path)
@@ -94,10 +94,10 @@ def model_path(settings: Settings, label: str = "flywheel demo") -> Path:
 def loop_settings(settings: Settings, run_dir: Path, model_path: Path, *, port: int | None = None,
                   overrides: dict[str, Any] | None = None) -> Settings:
     """``settings`` with :data:`DEMO_OVERRIDES`, then ``overrides``, in ``run_dir`` on free ports."""
-    from flywheel.settings import _deep_merge
+    from flywheel.settings import deep_merge
 
-    merged = _deep_merge(settings.model_dump(), DEMO_OVERRIDES)
-    merged = _deep_merge(merged, overrides or {})
+    merged = deep_merge(settings.model_dump(), DEMO_OVERRIDES)
+    merged = deep_merge(merged, overrides or {})
     merged["data_dir"] = str(run_dir)
     merged["model"]["path"] = str(model_path)
     merged["gateway"]["port"] = port or free_port()
@@ -149,8 +149,8 @@ class HeldoutEvaluator:
     def __init__(self, model_dir: str | Path, registry: Any, seed: int, n: int = HELDOUT_N):
         import torch
 
-        from flywheel.tinymodel.sampling import load_model
-        from flywheel.tinymodel.task import heldout_problems
+        from demo.tinymodel.task import heldout_problems
+        from flywheel.lm import load_model
 
         torch.set_num_threads(2)
         self.model, self.tokenizer = load_model(model_dir)
@@ -160,7 +160,8 @@ class HeldoutEvaluator:
         self._states: dict[int, Any] = {}
 
     def __call__(self, version: int) -> float:
-        from flywheel.tinymodel.sampling import evaluate, load_state
+        from demo.tinymodel.evaluate import evaluate
+        from flywheel.lm import load_state
 
         if version not in self.results:
             below = [v for v in self._states if v < version]
@@ -227,12 +228,21 @@ def run_traffic(stack: Stack, pool: UserPool, minutes: float, stop: threading.Ev
     return t_traffic
 
 
+def main(args: argparse.Namespace, settings: Settings) -> int:
+    """``flywheel demo`` (named by the command line's table, launch/cli.py): run it until done or
+    SIGTERM/SIGINT."""
+    from launch.cli import stop_on_signals
+
+    return run_demo(settings, DemoOptions.from_args(args), stop_on_signals())
+
+
 def run_demo(settings: Settings, options: DemoOptions, stop: threading.Event) -> int:
+    from sqlalchemy import func, select
+
     from flywheel.db.models import Generation, ScoredTrajectoryRow, Trajectory
     from flywheel.db.session import make_engine, make_session_factory
     from flywheel.weights.registry import Registry
     from flywheel.weights.store import make_store
-    from sqlalchemy import func, select
 
     t_start = time.monotonic()
     base = settings.data_path

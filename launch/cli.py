@@ -1,9 +1,12 @@
 """The ``flywheel`` console script: parse and validate settings first, then import the role.
 
 Every role is a thin entry point ``run(settings, stop)`` in its stage package. The CLI is the
-composition root, so it names those entry points by string and imports one only when asked: the
-shared kernel never imports a stage at module level, and torch is not imported before the
-settings are known to be valid.
+composition root: it names those entry points, and every other command that is not kernel (a
+role's one-shot actions, ``demo``, ``chaos``), by string in :data:`ROLES` and :data:`COMMANDS`,
+and imports one only when asked. So no kernel module imports a stage or an application, and torch
+is not imported before the settings are known to be valid. A role that loads the model
+(:data:`MODEL_ROLES`) is started with ``model.path`` filled: the given one, else the demo's tiny
+model (:func:`launch.up.with_model`).
 """
 
 from __future__ import annotations
@@ -29,6 +32,18 @@ ROLES: dict[str, str] = {
     "ingest": "ingest.worker:run",
     "rewards": "rewards.worker:run",
     "trainer": "trainer.train:train",
+}
+
+#: roles that load the model: started with ``model.path`` filled (the stages refuse an empty one)
+MODEL_ROLES = ("node", "trainer")
+
+#: command -> "module:function" taking (args, settings) and returning the exit status: a role's
+#: one-shot actions (``flywheel rollout ACTION``, ``flywheel rewards ACTION``) and the applications
+COMMANDS: dict[str, str] = {
+    "rollout": "serving.rollout:main",
+    "rewards": "rewards.rescore:main",
+    "demo": "demo.run:main",
+    "chaos": "chaos.run:main",
 }
 
 ROLE_HELP = {
@@ -161,7 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
     chaos.add_argument("--json", dest="json_path", help="write the results as JSON here")
     chaos.add_argument("--keep", action="store_true", help="keep the run folder (logs, configs) afterwards")
 
-    model = sub.add_parser("model", help="the built-in tiny model")
+    model = sub.add_parser("model", help="the demo's tiny model (the default when model.path is empty)")
     model.add_argument("action", choices=["build"])
     model.add_argument("--quick", action="store_true")
 
@@ -175,7 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The entry point of every flywheel process (the console script, ``python -m flywheel.cli``,
+    """The entry point of every flywheel process (the console script, ``python -m launch.cli``,
     ``flywheel up``'s children): everything it creates is its owner's alone (flywheel/private.py)."""
     private_umask()  # first, before anything is created
     parser = build_parser()
@@ -226,39 +241,23 @@ def dispatch(args: argparse.Namespace, settings: Settings) -> int:
         print(message if ok else f"flywheel health: {message}", file=sys.stdout if ok else sys.stderr)
         return 0 if ok else 1
     if command == "model":
-        from flywheel.tinymodel.build import ensure_default_model
+        from launch.up import default_model
 
-        print(ensure_default_model(settings.data_path / "models", quick=args.quick))
+        print(default_model(settings.data_path / "models", quick=args.quick))
         return 0
-    if command == "rollout" and args.action:
-        return resolve("serving.rollout:main")(args, settings)
-    if command == "rewards" and args.action:
-        return resolve("rewards.rescore:main")(args, settings)
+    if command in COMMANDS and (command not in ROLES or args.action):
+        return resolve(COMMANDS[command])(args, settings)
     if command in ROLES:
+        if command in MODEL_ROLES:
+            from launch.up import with_model
+
+            settings = with_model(settings)
         resolve(ROLES[command])(settings, stop_on_signals())
         return 0
     if command == "up":
-        from flywheel.up import up
+        from launch.up import up
 
         return up(settings, stop_on_signals())
-    if command == "demo":
-        from flywheel.demo import DemoOptions, run_demo
-
-        options = DemoOptions.from_args(args)
-        return run_demo(settings, options, stop_on_signals())
-    if command == "chaos":
-        from chaos import SCENARIOS, ChaosOptions, run_chaos
-
-        if args.list:
-            for scenario in SCENARIOS.values():
-                print(f"{scenario.name:<18} {scenario.summary}")
-            return 0
-        try:
-            options = ChaosOptions.from_args(args)
-        except ValueError as exc:
-            print(f"flywheel chaos: {exc}", file=sys.stderr)
-            return 2
-        return run_chaos(settings, options)
     if command == "weights":
         return args.weights_func(args, settings)
     if command == "keys":

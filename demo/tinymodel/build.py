@@ -7,7 +7,7 @@ in a temporary sibling directory that is renamed into place, under a file lock, 
 never sees a half-written model and two racing processes build it once.
 
 The corpus is noisy on purpose: an answer is right with probability ``p_correct`` and otherwise a
-plausible mistake (:func:`flywheel.tinymodel.task.mistake`); after a wrong first answer, some
+plausible mistake (:func:`demo.tinymodel.task.mistake`); after a wrong first answer, some
 conversations go on with the user's retry message and a second (equally noisy) attempt. The
 pretrained model therefore puts substantial but minority probability on the right answer, which
 is the headroom reinforcement learning from feedback is meant to claim. Held-out problems never
@@ -33,8 +33,8 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from flywheel.tinymodel import task
-from flywheel.tinymodel.tokenizer import ASSISTANT, END, USER, train_tokenizer
+from demo.tinymodel import task
+from demo.tinymodel.tokenizer import ASSISTANT, END, USER, train_tokenizer
 
 #: Bump when the code changes what a given recipe builds.
 CODE_VERSION = "tiny-sort-v2"
@@ -186,7 +186,8 @@ def _train(recipe: Recipe, out_dir: Path, log, started: float) -> dict:
     model.config.use_cache = True
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
-    from flywheel.tinymodel.sampling import evaluate, load_model  # the saved bf16 model, as served
+    from demo.tinymodel.evaluate import evaluate  # the saved bf16 model, as served
+    from flywheel.lm import load_model
 
     served, served_tokenizer = load_model(out_dir)
     info = {
@@ -227,7 +228,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, required=True, help="cache directory")
     parser.add_argument("--quick", action="store_true", help="the small test build")
     args = parser.parse_args(argv)
-    from flywheel.tinymodel.sampling import evaluate, load_model
+    from demo.tinymodel.evaluate import evaluate
+    from flywheel.lm import load_model
 
     started = time.monotonic()
     path = ensure_default_model(args.out, quick=args.quick)
