@@ -1,7 +1,8 @@
 """What ingest + rewards cost: raw Kafka consume rate vs the real pipeline, and event-to-scored latency.
 
 One Kafka-protocol broker (``--bootstrap`` or ``KAFKA_BOOTSTRAP_SERVERS``, else a Tansu started
-here) and one PostgreSQL server (a fresh, migrated database per phase, dropped afterwards). The
+here) and one PostgreSQL server (a fresh, migrated database per phase, dropped afterwards), both
+from :mod:`testbed`. The
 workload is built by the gateway's own capture code (:mod:`serving.gateway.capture`) from
 vLLM-shaped responses: sessions of 1-4 turns (first prompt 64-160 tokens; each later prompt extends
 the previous one by its completion and a 16-token user message), 32 completion tokens with
@@ -43,7 +44,6 @@ settings. Prints a table; ``--json PATH`` writes ``raw_rate``, ``pipeline_rate``
 from __future__ import annotations
 
 import argparse
-import getpass
 import json
 import os
 import random
@@ -61,6 +61,9 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from flywheel.events import FeedbackEvent, GenerationEvent
+from testbed.broker import kafka_broker
+from testbed.postgres import connect_admin, fresh_database
+from testbed.procs import ServiceUnavailable
 
 ROOT = Path(__file__).resolve().parents[1]
 TENANT = "bench"
@@ -69,7 +72,6 @@ VOCAB = 32_000
 COMPLETION_TOKENS = 32
 USER_TURN_TOKENS = 16
 TASKS = 500
-PG_ADMIN = "postgresql+psycopg2://{user}@127.0.0.1:5432/test"
 #: Short group timeouts (as the test suite uses) so joins take seconds; the rest are product defaults.
 KAFKA_ENV = {"FLYWHEEL_BUS__SESSION_TIMEOUT_MS": "6000", "FLYWHEEL_BUS__HEARTBEAT_INTERVAL_MS": "500"}
 
@@ -172,61 +174,22 @@ def is_outcome(event: Event) -> bool:
 # Services ---------------------------------------------------------------------------------------
 
 
-@contextmanager
-def broker(bootstrap: str | None) -> Iterator[tuple[str, int | None]]:
-    """``(bootstrap, broker pid or None)``: the given broker, or a Tansu started for this run."""
-    if bootstrap:
-        yield bootstrap, None
-        return
-    from tests.fixtures.kafka import start_tansu
-
-    tansu = start_tansu()
-    try:
-        assert tansu.process is not None
-        yield tansu.bootstrap, tansu.process.pid
-    finally:
-        tansu.stop()
-
-
 def pg_admin(url: str | None):
     """An AUTOCOMMIT engine on the PostgreSQL admin database (``--pg-admin``, else postgres or $USER)."""
-    from sqlalchemy import create_engine, text
-    from sqlalchemy.exc import OperationalError
-
-    candidates = [url] if url else [PG_ADMIN.format(user=u) for u in dict.fromkeys(["postgres", getpass.getuser()])]
-    errors = []
-    for candidate in candidates:
-        engine = create_engine(candidate, isolation_level="AUTOCOMMIT", connect_args={"connect_timeout": 3})
-        try:
-            with engine.connect() as conn:
-                conn.execute(text("SELECT 1"))
-            return engine
-        except OperationalError as exc:
-            errors.append(f"{candidate}: {str(exc.orig).strip()}")
-            engine.dispose()
-    raise SystemExit("PostgreSQL is not reachable (" + "; ".join(errors) + "); start it with: "
-                     "pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main start")
+    try:
+        return connect_admin(url)
+    except ServiceUnavailable as exc:
+        raise SystemExit(str(exc)) from None
 
 
 @contextmanager
-def fresh_database(admin, settings: dict[str, str]) -> Iterator[str]:
+def migrated_database(admin, settings: dict[str, str]) -> Iterator[str]:
     """A new, migrated PostgreSQL database with ``settings`` (``ALTER DATABASE .. SET``); dropped afterwards."""
-    from sqlalchemy import text
-
     from flywheel.db.session import upgrade
 
-    name = f"flywheel_bench_{uuid.uuid4().hex[:12]}"
-    with admin.connect() as conn:
-        conn.execute(text(f'CREATE DATABASE "{name}"'))
-        for key, value in settings.items():
-            conn.execute(text(f'ALTER DATABASE "{name}" SET {key} = :value'), {"value": value})
-    url = admin.url.set(database=name).render_as_string(hide_password=False)
-    try:
+    with fresh_database(admin, "flywheel_bench_", settings) as url:
         upgrade(url)  # once here: workers starting together would race to create the tables
         yield url
-    finally:
-        with admin.connect() as conn:
-            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
 
 
 # Bus --------------------------------------------------------------------------------------------
@@ -593,7 +556,7 @@ def pipeline_phase(bootstrap: str, broker_pid: int | None, admin, db_settings: d
 
     topics = fresh_topics(bootstrap, partitions, env.get("FLYWHEEL_BUS__COMPRESSION", ""))
     produce(topics, events)
-    with fresh_database(admin, db_settings) as url, tempfile.TemporaryDirectory(prefix="bench-ingest-") as tmp:
+    with migrated_database(admin, db_settings) as url, tempfile.TemporaryDirectory(prefix="bench-ingest-") as tmp:
         engine = create_engine(url)
         workers = Workers(topics, url, n_ingest, n_rewards, env, Path(tmp)).start()
         meter: CpuMeter | None = None
@@ -650,7 +613,7 @@ def latency_phase(bootstrap: str, admin, db_settings: dict[str, str], events: li
     from flywheel.bus import make_bus
 
     topics = fresh_topics(bootstrap, partitions, env.get("FLYWHEEL_BUS__COMPRESSION", ""))
-    with fresh_database(admin, db_settings) as url, tempfile.TemporaryDirectory(prefix="bench-ingest-") as tmp:
+    with migrated_database(admin, db_settings) as url, tempfile.TemporaryDirectory(prefix="bench-ingest-") as tmp:
         workers = Workers(topics, url, n_ingest, n_rewards, env, Path(tmp)).start()
         observer = Observer(topics, url)
         observer.start()
@@ -738,7 +701,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     admin = pg_admin(args.pg_admin)
     result: dict[str, Any] = {"events": len(backlog), "sessions": n_sessions, "partitions": args.partitions}
     try:
-        with broker(args.bootstrap or os.environ.get("KAFKA_BOOTSTRAP_SERVERS")) as (bootstrap, broker_pid):
+        with kafka_broker(args.bootstrap or os.environ.get("KAFKA_BOOTSTRAP_SERVERS")) as (bootstrap, broker_pid):
             result["broker"] = "external" if broker_pid is None else "tansu"
             topics = fresh_topics(bootstrap, args.partitions, env.get("FLYWHEEL_BUS__COMPRESSION", ""))
             result["produced_mb"] = produce(topics, backlog) / 1e6

@@ -43,13 +43,14 @@ from urllib.parse import quote, urlsplit
 
 import httpx
 import pytest
-from sqlalchemy import func, inspect, select, text
+from sqlalchemy import func, inspect, make_url, select, text
 
 from flywheel.db.models import ApiKey, Feedback, Generation, ModelVersion, Trajectory, VersionTransition
 from flywheel.db.session import make_engine, make_session_factory, upgrade
 from flywheel.events import FeedbackEvent, GenerationEvent
 from flywheel.keys import create_key
 from flywheel.settings import Settings, load_settings
+from testbed.postgres import fresh_database
 from tests.fixtures.roles import RoleThread, drain_capture, free_port, raw_exchange, served_app, wait_until
 from tests.integration.test_store_s3 import BUCKET, s3, s3_endpoint  # noqa: F401  (moto fixtures)
 from tests.integration.test_tenancy_attacks import VersionEchoUpstream, _upstream
@@ -122,17 +123,10 @@ class Stack:
 
 
 @pytest.fixture(scope="module")
-def module_db(_pg_admin) -> Iterator[str]:
+def module_db(pg_admin) -> Iterator[str]:
     """A PostgreSQL database for the module; its URL carries a password (trust auth ignores it)."""
-    engine, user = _pg_admin
-    name = f"flywheel_t_{uuid.uuid4().hex[:16]}"
-    with engine.connect() as conn:
-        conn.execute(text(f'CREATE DATABASE "{name}"'))
-    try:
-        yield f"postgresql+psycopg2://{user}:{DB_SECRET}@127.0.0.1:5432/{name}"
-    finally:
-        with engine.connect() as conn:
-            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+    with fresh_database(pg_admin) as url:
+        yield make_url(url).set(password=DB_SECRET).render_as_string(hide_password=False)
 
 
 @pytest.fixture(scope="module")

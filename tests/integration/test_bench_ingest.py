@@ -14,12 +14,11 @@ from bench import ingest
 pytestmark = pytest.mark.integration
 
 
-def test_bench_ingest_smoke(kafka_bootstrap: str, _pg_admin, tmp_path: Path) -> None:
-    engine, _user = _pg_admin
+def test_bench_ingest_smoke(kafka_bootstrap: str, pg_admin, tmp_path: Path) -> None:
     out = tmp_path / "ingest.json"
     ingest.main([
         "--events", "1200", "--levels", "1:1", "--rate", "100", "--seconds", "2", "--warmup", "0", "--drain", "30",
-        "--bootstrap", kafka_bootstrap, "--pg-admin", engine.url.render_as_string(hide_password=False),
+        "--bootstrap", kafka_bootstrap, "--pg-admin", pg_admin.url.render_as_string(hide_password=False),
         "--env", "FLYWHEEL_INGEST__INACTIVITY_TIMEOUT_S=5", "--json", str(out),
     ])
     result = json.loads(out.read_text())

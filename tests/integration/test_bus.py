@@ -446,7 +446,8 @@ def test_one_group_splits_partitions_and_never_double_delivers(bus_settings: Set
 def test_kafka_flush_raises_when_the_broker_is_gone(tmp_path) -> None:
     """``send`` only enqueues; an unacknowledged record must surface as an error, never vanish."""
     from flywheel.bus import BusError
-    from tests.fixtures.kafka import kafka_test_settings, start_tansu
+    from testbed.broker import start_tansu
+    from tests.fixtures.kafka import kafka_test_settings
 
     broker = start_tansu(log_dir=tmp_path)
     try:
@@ -501,7 +502,8 @@ def test_large_records_cross_the_bus_whole_in_an_envelope(bus_settings: Settings
 def test_kafka_producer_gives_up_within_its_timeout_on_a_dead_broker(tmp_path) -> None:
     """Creating a producer, waiting for metadata and flushing are bounded by ``timeout_s``; none hangs."""
     from flywheel.bus import BusError
-    from tests.fixtures.kafka import kafka_test_settings, start_tansu
+    from testbed.broker import start_tansu
+    from tests.fixtures.kafka import kafka_test_settings
     from tests.fixtures.roles import free_port
 
     dead = make_bus(kafka_test_settings(f"127.0.0.1:{free_port()}", tmp_path))

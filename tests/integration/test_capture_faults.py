@@ -45,7 +45,7 @@ from flywheel.bus.envelope import Reassembler
 from flywheel.events import GenerationEvent
 from serving.gateway.spool import Spool
 from serving.protocol import GENERATION_HEADER, SESSION_HEADER
-from tests.fixtures.kafka import TansuBroker, start_tansu
+from testbed.broker import TansuBroker, start_tansu
 from tests.fixtures.roles import free_port, wait_until
 
 pytestmark = pytest.mark.integration

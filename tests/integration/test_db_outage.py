@@ -81,8 +81,8 @@ class Outage:
 
 
 @pytest.fixture
-def outage(_pg_admin: tuple[Engine, str], pg_url: str) -> Iterator[Outage]:
-    cut = Outage(_pg_admin[0], pg_url)
+def outage(pg_admin: Engine, pg_url: str) -> Iterator[Outage]:
+    cut = Outage(pg_admin, pg_url)
     yield cut
     cut.end()
 

@@ -412,19 +412,18 @@ def test_a_stream_whose_session_state_is_lost_ends_in_an_error_event(tmp_path):
     """Redis dies while the upstream decodes: the stream's event cannot be recorded against its
     session, so the client gets the ``state_unavailable`` error event instead of [DONE] (it used
     to get a connection dropped mid-body) and nothing is captured."""
-    import subprocess
     from concurrent.futures import ThreadPoolExecutor
 
     from bench.upstream import running
     from serving.gateway.app import create_app
+    from testbed.redis import RedisServer
 
-    upstream_port, redis_port = free_port(), free_port()
-    redis = subprocess.Popen(["redis-server", "--bind", "127.0.0.1", "--port", str(redis_port), "--save", "",
-                              "--appendonly", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    upstream_port = free_port()
+    redis = RedisServer(tmp_path).start()
     try:
         with running(upstream_port, delay_ms=600) as upstream:
             settings = load_settings(data_dir=str(tmp_path), bus={"kind": "local", "topic_prefix": "lost."},
-                                     live={"kind": "redis", "redis_url": f"redis://127.0.0.1:{redis_port}/0"},
+                                     live={"kind": "redis", "redis_url": redis.url},
                                      gateway={"upstream": f"http://127.0.0.1:{upstream_port}"})
             bus = make_bus(settings)
             with served_app(create_app(settings)) as url, httpx.Client(timeout=30) as client, \
@@ -435,7 +434,6 @@ def test_a_stream_whose_session_state_is_lost_ends_in_an_error_event(tmp_path):
                                        {"messages": MESSAGES, "stream": True})
                 wait_until("the stream to reach the upstream", lambda: upstream.received == 2)
                 redis.kill()
-                redis.wait(5)
                 r, events = streamed.result()
             stack = Served(settings, url, None, bus)
             found = stack.events([r.headers["X-Flywheel-Generation"]], timeout_s=2)
