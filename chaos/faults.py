@@ -27,8 +27,10 @@ from chaos.fleet import LOADED, NODES, WORKERS, Fleet, NodeWatcher
 from chaos.invariants import Expectation, PoisonRecord
 from chaos.poison import API_POISON, IDENTICAL_REPLAY, RogueProducer, api_round
 from chaos.proxy import UpstreamFaults, UpstreamProxy
-from chaos.services import Services, SmallDisk, wait_for
+from chaos.services import Services
 from chaos.users import Users
+from testbed.disks import SmallDisk
+from testbed.procs import wait_for
 
 
 class Chaos:
@@ -165,7 +167,7 @@ def fault_redis(c: Chaos) -> None:
         c.services.redis.stop(sig)
         c.note(f"Redis stopped ({signal.Signals(sig).name}), its data gone")
         c.sleep(3.0)
-        c.services.start_redis()
+        c.services.redis.start()
         c.note("Redis started again (empty)")
 
 

@@ -29,8 +29,8 @@ from typing import Any
 import httpx
 
 from chaos.proxy import UpstreamProxy
-from chaos.services import free_port, tail, wait_for
 from flywheel.settings import Settings, deep_merge
+from testbed.procs import free_port, tail, wait_for
 
 log = logging.getLogger("flywheel.chaos")
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import httpx
 
-from chaos.services import wait_for
+from testbed.procs import wait_for
 
 
 @dataclass

@@ -29,9 +29,11 @@ from chaos.fleet import CHAOS_OVERRIDES, NODES, ApiKeys, Fleet, NodeWatcher
 from chaos.invariants import InvariantResult, Snapshot, check, dead_letter_reasons, lost_items
 from chaos.proxy import UpstreamFaults, UpstreamProxy
 from chaos.report import ScenarioResult, format_details, format_table
-from chaos.services import ChaosSetupError, Services, SmallDisk, free_port
+from chaos.services import Services
 from chaos.users import Users
 from flywheel.settings import Settings, deep_merge
+from testbed.disks import SmallDisk
+from testbed.procs import ServiceUnavailable, free_port
 
 log = logging.getLogger("flywheel.chaos")
 
@@ -282,7 +284,7 @@ def run_chaos(settings: Settings, options: ChaosOptions) -> int:
                 r = outcome.result
                 print(f"  [{name}] {'ok' if r.invariants_ok else 'FAILED ' + ', '.join(r.failed_invariants)} "
                       f"({r.events} events, lost {r.lost}, duplicated {r.duplicated}, {r.wall_s:.0f}s)", flush=True)
-    except ChaosSetupError as exc:
+    except ServiceUnavailable as exc:
         print(f"flywheel chaos: {exc}", file=sys.stderr)
         return 2
     finally:

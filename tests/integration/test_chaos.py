@@ -26,11 +26,12 @@ from pathlib import Path
 import pytest
 from sqlalchemy import delete, insert, select
 
-from chaos import ChaosRun, ChaosSetupError, InvariantResult, Outcome, format_details, recheck
+from chaos import ChaosRun, InvariantResult, Outcome, format_details, recheck
 from chaos.invariants import check_rollout
 from flywheel.db.models import Generation, ModelVersion, Trajectory
 from flywheel.db.session import make_engine
 from flywheel.settings import load_settings
+from testbed.procs import ServiceUnavailable
 
 pytestmark = pytest.mark.integration
 
@@ -43,7 +44,7 @@ def chaos_run(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) ->
     run = ChaosRun(load_settings(None, data_dir=str(root)), root, model_path=tiny_model_dir)
     try:
         run.__enter__()
-    except ChaosSetupError as exc:
+    except ServiceUnavailable as exc:
         pytest.fail(f"the chaos suite cannot start its services: {exc}", pytrace=False)
     try:
         yield run
