@@ -2,12 +2,11 @@
 
 One Kafka-protocol broker (``--bootstrap`` or ``KAFKA_BOOTSTRAP_SERVERS``, else a Tansu started
 here) and one PostgreSQL server (a fresh, migrated database per phase, dropped afterwards), both
-from :mod:`testbed`. The
-workload is built by the gateway's own capture code (:mod:`serving.gateway.capture`) from
-vLLM-shaped responses: sessions of 1-4 turns (first prompt 64-160 tokens; each later prompt extends
-the previous one by its completion and a 16-token user message), 32 completion tokens with
-logprobs, a thumbs on a fifth of the turns, then an outcome. ``--concurrency`` sessions are in
-flight at once; records are keyed by session id and carry the gateway's headers.
+from :mod:`testbed`. The workload (:mod:`bench.ingest_workload`) is built by the gateway's own
+capture code (:mod:`serving.gateway.capture`) from vLLM-shaped responses: sessions of 1-4 turns
+(first prompt 64-160 tokens; each later prompt extends the previous one by its completion and a
+16-token user message), 32 completion tokens with logprobs, a thumbs on a fifth of the turns, then
+an outcome. ``--concurrency`` sessions are in flight at once; records are keyed by session id and carry the gateway's headers.
 
 Phases, in one run, on the same broker:
 
@@ -31,8 +30,8 @@ Phases, in one run, on the same broker:
    share). Outcomes still unscored after ``--drain`` s count at that time: ``lower_bound``.
 
 ``--profile DIR`` attaches ``py-spy record`` to the first level's workers and prints their top
-frames (raw stacks stay in DIR); ``--env``/``--db-setting`` try worker settings and PostgreSQL
-settings. Prints a table; ``--json PATH`` writes ``raw_rate``, ``pipeline_rate``,
+frames (raw stacks stay in DIR; CPU and profiles: :mod:`bench.profiling`); ``--env`` and
+``--db-setting`` try worker settings and PostgreSQL settings. Prints a table; ``--json PATH`` writes ``raw_rate``, ``pipeline_rate``,
 ``p99_event_to_scored_s`` and the rest. Targets (issue 4): ``pipeline_rate >= 0.5 x raw_rate``;
 ``p99_event_to_scored_s < 2`` at 1,000 events/s.
 
@@ -54,28 +53,21 @@ import tempfile
 import threading
 import time
 import uuid
-from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from flywheel.events import FeedbackEvent, GenerationEvent
+from bench.ingest_workload import TENANT, Event, is_outcome, session, workload
+from bench.profiling import CpuMeter, Profiler, backend_pids, profile_lines
+from flywheel.events import GenerationEvent
 from testbed.broker import kafka_broker
 from testbed.postgres import connect_admin, fresh_database
 from testbed.procs import ServiceUnavailable
 
 ROOT = Path(__file__).resolve().parents[1]
-TENANT = "bench"
-MODEL_LINE = "bench-model"
-VOCAB = 32_000
-COMPLETION_TOKENS = 32
-USER_TURN_TOKENS = 16
-TASKS = 500
 #: Short group timeouts (as the test suite uses) so joins take seconds; the rest are product defaults.
 KAFKA_ENV = {"FLYWHEEL_BUS__SESSION_TIMEOUT_MS": "6000", "FLYWHEEL_BUS__HEARTBEAT_INTERVAL_MS": "500"}
-
-Event = GenerationEvent | FeedbackEvent
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -83,92 +75,6 @@ def percentile(values: list[float], q: float) -> float:
     if not ordered:
         return float("nan")
     return ordered[min(len(ordered) - 1, int(round(q / 100.0 * (len(ordered) - 1))))]
-
-
-# Workload (pure, seeded) ------------------------------------------------------------------------
-
-
-def _words(rng: random.Random, n_tokens: int) -> str:
-    return " ".join(f"w{rng.randrange(VOCAB)}" for _ in range(max(1, n_tokens * 3 // 4)))
-
-
-def session(rng: random.Random) -> list[Event]:
-    """One session's events in served order, built the way the gateway builds them."""
-    from serving.gateway import capture
-    from serving.protocol import ChatCompletionRequest, FeedbackItem
-
-    session_id = f"s-{uuid.UUID(int=rng.getrandbits(128)).hex}"
-    task = rng.randrange(TASKS)
-    messages: list[dict[str, Any]] = [
-        {"role": "system", "content": "You are a coding agent. Use the tools, then answer."},
-        {"role": "user", "content": f"task {task}: {_words(random.Random(task), 80)}"},
-    ]
-    prompt = [rng.randrange(4, VOCAB) for _ in range(rng.randint(64, 160))]
-    events: list[Event] = []
-    for _turn in range(rng.randint(1, 4)):
-        completion = [rng.randrange(4, VOCAB) for _ in range(COMPLETION_TOKENS)]
-        logprobs = [-round(rng.expovariate(3.0), 6) for _ in completion]
-        text = " ".join(f"w{t}" for t in completion)
-        body = {"model": "bench", "messages": messages, "max_tokens": COMPLETION_TOKENS, "temperature": 1.0}
-        response = {
-            "id": f"chatcmpl-{rng.getrandbits(64):x}", "object": "chat.completion", "created": 0, "model": "bench",
-            "model_version": 1, "prompt_token_ids": prompt,
-            "choices": [{
-                "index": 0, "finish_reason": "length", "token_ids": completion,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": {"content": [{"token": f"w{t}", "logprob": lp, "bytes": None, "top_logprobs": []}
-                                         for t, lp in zip(completion, logprobs)]},
-            }],
-            "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(completion),
-                      "total_tokens": len(prompt) + len(completion)},
-        }
-        request = ChatCompletionRequest.model_validate(capture.upstream_request(body, "bench"))
-        served = capture.extract_served(response, {"X-Flywheel-Node": "bench-node"})
-        generation = capture.generation_event(
-            generation_id=uuid.UUID(int=rng.getrandbits(128)).hex, tenant=TENANT, session_id=session_id,
-            model_line=MODEL_LINE, request_body=body, request=request, response_body=response, served=served,
-            latency_ms=rng.uniform(200, 900),
-        )
-        events.append(generation)
-        if rng.random() < 0.2:
-            item = FeedbackItem(feedback_id=uuid.UUID(int=rng.getrandbits(128)).hex, kind="explicit",
-                                signal="thumbs", value=rng.choice([1.0, -1.0]), generation_id=generation.generation_id)
-            events.append(capture.feedback_event(item, tenant=TENANT, session_id=session_id))
-        user = [rng.randrange(4, VOCAB) for _ in range(USER_TURN_TOKENS)]
-        messages = [*messages, {"role": "assistant", "content": text},
-                    {"role": "user", "content": _words(rng, USER_TURN_TOKENS)}]
-        prompt = prompt + completion + user
-    outcome = FeedbackItem(feedback_id=uuid.UUID(int=rng.getrandbits(128)).hex, kind="outcome",
-                           signal=rng.choice(["task_solved", "tests_passed"]), value=float(rng.random() < 0.6))
-    events.append(capture.feedback_event(outcome, tenant=TENANT, session_id=session_id))
-    return events
-
-
-def workload(n_events: int, concurrency: int, seed: int) -> list[Event]:
-    """At least ``n_events`` events of whole sessions, ``concurrency`` sessions interleaved at a time
-    (each session's own events stay in order); the last event of every session is its outcome."""
-    rng = random.Random(seed)
-    pending: list[list[Event]] = []
-    built = 0
-    while built < n_events:
-        pending.append(session(rng))
-        built += len(pending[-1])
-    pending.reverse()
-    active: list[list[Event]] = []
-    out: list[Event] = []
-    while pending or active:
-        while pending and len(active) < concurrency:
-            active.append(pending.pop())
-        i = rng.randrange(len(active))
-        out.append(active[i].pop(0))
-        if not active[i]:
-            active[i] = active[-1]
-            active.pop()
-    return out
-
-
-def is_outcome(event: Event) -> bool:
-    return isinstance(event, FeedbackEvent) and event.kind == "outcome"
 
 
 # Services ---------------------------------------------------------------------------------------
@@ -343,33 +249,6 @@ class Observer(threading.Thread):
             self.engine.dispose()
 
 
-# Processes and CPU ------------------------------------------------------------------------------
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU of a process so far (Linux /proc); 0 if it is gone."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (FileNotFoundError, ProcessLookupError):
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def backend_pids(admin, database: str) -> list[int]:
-    """The PostgreSQL backends serving ``database`` (its CPU is theirs; a remote server shows none)."""
-    from sqlalchemy import text
-
-    with admin.connect() as conn:
-        return list(conn.execute(text("SELECT pid FROM pg_stat_activity WHERE datname = :d"), {"d": database})
-                    .scalars())
-
-
-def machine_busy_s() -> float:
-    """Busy CPU seconds of the whole machine, all cores (/proc/stat)."""
-    values = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    return (sum(values) - values[3] - values[4]) / os.sysconf("SC_CLK_TCK")
-
-
 @dataclass
 class Workers:
     """``flywheel ingest`` and ``flywheel rewards`` processes on ``topics`` and ``database_url``."""
@@ -402,9 +281,6 @@ class Workers:
                 if proc.poll() is not None:
                     raise RuntimeError(f"a {role} worker exited with {proc.returncode}")
 
-    def cpu(self) -> dict[str, float]:
-        return {role: sum(cpu_seconds(p.pid) for p in procs) for role, procs in self.procs.items()}
-
     def stop(self) -> dict[str, list[int | None]]:
         for procs in self.procs.values():
             for proc in procs:
@@ -420,108 +296,6 @@ class Workers:
                     proc.wait()
                 codes.setdefault(role, []).append(proc.returncode)
         return codes
-
-
-class CpuMeter:
-    """CPU seconds per part: workers by role, the PostgreSQL backends of the bench's database, the
-    broker (when started here), this process, and the whole machine."""
-
-    def __init__(self, workers: Workers, broker_pid: int | None, pg_pids: Callable[[], list[int]]) -> None:
-        self.workers, self.broker_pid, self.pg_pids = workers, broker_pid, pg_pids
-        self.pg_start = {pid: cpu_seconds(pid) for pid in pg_pids()}
-        self.start = self.read()
-
-    def read(self) -> dict[str, float]:
-        out = dict(self.workers.cpu())
-        if self.broker_pid is not None:
-            out["broker"] = cpu_seconds(self.broker_pid)
-        out["bench"] = time.process_time()
-        out["machine"] = machine_busy_s()
-        return out
-
-    def used(self) -> dict[str, float]:
-        end = self.read()
-        out = {k: max(0.0, end[k] - self.start.get(k, 0.0)) for k in end}
-        out["postgres"] = sum(max(0.0, cpu_seconds(pid) - self.pg_start.get(pid, 0.0)) for pid in self.pg_pids())
-        return out
-
-
-# Profiling --------------------------------------------------------------------------------------
-
-
-class Profiler:
-    """``py-spy record`` (raw collapsed stacks) on every worker until :meth:`stop`."""
-
-    def __init__(self, out_dir: Path | None, workers: Workers) -> None:
-        self.out_dir = out_dir
-        self.spies: list[tuple[str, Path, subprocess.Popen]] = []
-        if out_dir is None:
-            return
-        out_dir.mkdir(parents=True, exist_ok=True)
-        spy = Path(sys.executable).parent / "py-spy"
-        for role, procs in workers.procs.items():
-            for i, proc in enumerate(procs):
-                path = out_dir / f"{role}-{i}.txt"
-                cmd = [str(spy), "record", "--pid", str(proc.pid), "--rate", "200", "--format", "raw",
-                       "--output", str(path), "--nonblocking"]
-                self.spies.append((role, path, subprocess.Popen(cmd, stdout=subprocess.DEVNULL,
-                                                                 stderr=subprocess.DEVNULL)))
-
-    def stop(self) -> dict[str, dict[str, Any]]:
-        for _, _, spy in self.spies:
-            spy.send_signal(signal.SIGINT)
-        for _, _, spy in self.spies:
-            try:
-                spy.wait(30)
-            except subprocess.TimeoutExpired:
-                spy.kill()
-                spy.wait()
-        by_role: dict[str, list[Path]] = {}
-        for role, path, _ in self.spies:
-            by_role.setdefault(role, []).append(path)
-        return {role: summarise_stacks(paths) for role, paths in by_role.items()}
-
-
-def _frame(raw: str) -> str:
-    """``function (path/to/module.py:123)`` -> ``function (module.py)``; lines merged."""
-    name, _, where = raw.partition(" (")
-    path = where.rsplit(":", 1)[0]
-    parts = Path(path).parts
-    for anchor in ("site-packages", "flywheel", "ingest", "rewards", "lib"):
-        if anchor in parts:
-            parts = parts[parts.index(anchor) + (1 if anchor in ("site-packages", "lib") else 0):]
-            break
-    return f"{name} ({'/'.join(parts[-3:])})"
-
-
-#: Frames on every stack (the entry point, thread start-up): left out of the inclusive ranking.
-_ENTRY = ("(<frozen runpy>)", "(launch/cli.py)", "(threading.py)")
-
-
-def summarise_stacks(paths: list[Path], top: int = 15) -> dict[str, Any]:
-    """Inclusive and self sample shares per frame, over the collapsed stacks in ``paths``."""
-    inclusive: Counter[str] = Counter()
-    own: Counter[str] = Counter()
-    total = 0
-    for path in paths:
-        if not path.exists():
-            continue
-        for line in path.read_text().splitlines():
-            stack, _, count = line.rpartition(" ")
-            if not stack or not count.isdigit():
-                continue
-            n = int(count)
-            frames = [_frame(f) for f in stack.split(";")]
-            total += n
-            own[frames[-1]] += n
-            for frame in set(frames):
-                if not frame.endswith(_ENTRY):
-                    inclusive[frame] += n
-    return {
-        "samples": total,
-        "inclusive": [(f, n / total) for f, n in inclusive.most_common(top)] if total else [],
-        "self": [(f, n / total) for f, n in own.most_common(top)] if total else [],
-    }
 
 
 # Phases -----------------------------------------------------------------------------------------
@@ -572,8 +346,8 @@ def pipeline_phase(bootstrap: str, broker_pid: int | None, admin, db_settings: d
                 now = time.perf_counter()
                 if first_at is None and started:
                     first_at, first_count = now, db_counts(engine)[0]
-                    meter = CpuMeter(workers, broker_pid, lambda: backend_pids(admin, make_url(url).database))
-                    profiler = Profiler(profile_dir, workers)
+                    meter = CpuMeter(workers.procs, broker_pid, lambda: backend_pids(admin, make_url(url).database))
+                    profiler = Profiler(profile_dir, workers.procs)
                 if scored >= n_sessions:
                     counts = db_counts(engine)
                     if counts[0] >= len(events) and counts[3] >= n_sessions:
@@ -769,16 +543,6 @@ def _row(r: dict[str, Any]) -> str:
             f"  {r['complete']}")
 
 
-def _profile_lines(profile: dict[str, dict[str, Any]], top: int) -> list[str]:
-    lines = []
-    for role, summary in profile.items():
-        lines.append(f"py-spy {role}: {summary['samples']} samples; top inclusive | self")
-        pairs = zip(summary["inclusive"][:top], summary["self"][:top])
-        lines += [f"  {inc * 100:5.1f}% {fi[:70]:<70} | {own * 100:5.1f}% {fs[:70]}"
-                  for (fi, inc), (fs, own) in pairs]
-    return lines
-
-
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--events", type=int, default=20_000, help="backlog size for the raw and pipeline phases")
@@ -804,7 +568,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result = run(args)
     for row in result["pipeline"]:
         if row["profile"]:
-            print("\n".join(_profile_lines(row["profile"], 12)))
+            print("\n".join(profile_lines(row["profile"], 12)))
     p99 = result["p99_event_to_scored_s"]
     print(f"pipeline {result['pipeline_rate']:.0f} events/s = {result['pipeline_ratio']:.2f} x raw "
           f"{result['raw_rate']:.0f} (target >= 0.5: {result['targets']['pipeline_ratio_ge_0_5']}); "
