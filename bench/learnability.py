@@ -38,7 +38,8 @@ from flywheel.lm import (
     load_model,
     load_state,
 )
-from flywheel.weights import codec
+from flywheel.weights.codec.delta import encode_delta
+from flywheel.weights.codec.state import encode_full
 
 
 def changed_fraction(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> float:
@@ -119,7 +120,7 @@ def run(model_path: Path, *, lr: float, batch_size: int, steps: int, steps_per_v
             new_state = export_state(master)
             fraction = changed_fraction(version_state, new_state)
             fractions.append(fraction)
-            delta_ratios.append(len(codec.encode_delta(version_state, new_state)) / len(codec.encode_full(new_state)))
+            delta_ratios.append(len(encode_delta(version_state, new_state)) / len(encode_full(new_state)))
             version_state = new_state
             load_state(served, version_state)
         if step % eval_every == 0:

@@ -48,7 +48,16 @@ import numpy as np
 import torch
 import zstandard
 
-from flywheel.weights import codec
+from flywheel.weights.codec.bitview import element_bits, order_keys, zigzag
+from flywheel.weights.codec.delta import (
+    apply_delta,
+    decode_unverified,
+    encode_delta,
+    encode_delta_with_summary,
+    resolve_device,
+)
+from flywheel.weights.codec.state import state_sha256
+from flywheel.weights.codec.stats import count_changed
 
 State = dict[str, torch.Tensor]
 
@@ -95,7 +104,7 @@ def adam_pairs(*, lr: float, gaps: list[int], warmup: int, hidden: int, layers: 
 
 def xor_zstd_bytes(old: State, new: State) -> int:
     cctx = zstandard.ZstdCompressor(level=3)
-    return sum(len(cctx.compress((codec._bits(old[n]) ^ codec._bits(new[n])).tobytes())) for n in new)
+    return sum(len(cctx.compress((element_bits(old[n]) ^ element_bits(new[n])).tobytes())) for n in new)
 
 
 def floor_bytes(old: State, new: State) -> float:
@@ -103,7 +112,7 @@ def floor_bytes(old: State, new: State) -> float:
     zigzag steps."""
     bits = 0.0
     for name, t in new.items():
-        a, b = codec._bits(old[name]), codec._bits(t)
+        a, b = element_bits(old[name]), element_bits(t)
         idx = np.flatnonzero(a != b)
         n, k = a.size, idx.size
         if k == 0 or k == n:
@@ -111,7 +120,7 @@ def floor_bytes(old: State, new: State) -> float:
         else:
             p = k / n
             pos = -n * (p * math.log2(p) + (1 - p) * math.log2(1 - p))
-        steps = codec._zigzag(codec._keys(b[idx], True) - codec._keys(a[idx], True))
+        steps = zigzag(order_keys(b[idx], True) - order_keys(a[idx], True))
         counts = np.unique(steps, return_counts=True)[1].astype(np.float64)
         q = counts / max(1, k)
         bits += pos + float(-(counts * np.log2(q)).sum())
@@ -134,7 +143,7 @@ def measure_device(old: State, new: State, old_sha: str, new_sha: str, delta: by
     new_d = {n: t.to(device) for n, t in new.items()}
 
     def encode() -> bytes:
-        return codec.encode_delta_with_summary(old_d, new_d, old_sha256=old_sha, new_sha256=new_sha, device=device)[0]
+        return encode_delta_with_summary(old_d, new_d, old_sha256=old_sha, new_sha256=new_sha, device=device)[0]
 
     identical = encode() == delta  # also the warm-up (CUDA context, kernels)
     enc_s, _ = _best(encode, repeats)
@@ -144,18 +153,18 @@ def measure_device(old: State, new: State, old_sha: str, new_sha: str, delta: by
 
 def measure(old: State, new: State, repeats: int, device: torch.device | None = None) -> dict[str, Any]:
     full = sum(t.numel() * t.element_size() for t in new.values())
-    changed, elements = codec.count_changed(old, new)
-    old_sha, new_sha = codec.state_sha256(old), codec.state_sha256(new)
-    enc_s, delta = _best(lambda: codec.encode_delta_with_summary(old, new, old_sha256=old_sha, new_sha256=new_sha)[0],
+    changed, elements = count_changed(old, new)
+    old_sha, new_sha = state_sha256(old), state_sha256(new)
+    enc_s, delta = _best(lambda: encode_delta_with_summary(old, new, old_sha256=old_sha, new_sha256=new_sha)[0],
                          repeats)
-    enc_h_s, _ = _best(lambda: codec.encode_delta(old, new), repeats)
+    enc_h_s, _ = _best(lambda: encode_delta(old, new), repeats)
     # apply_delta always verifies the target hash; with old_sha256 given it skips hashing the base.
-    dec_s, _ = _best(lambda: codec.decode_unverified(old, delta), repeats)
-    dec_v_s, result = _best(lambda: codec.apply_delta(old, delta, old_sha256=old_sha), repeats)
-    dec_h_s, _ = _best(lambda: codec.apply_delta(old, delta), repeats)
-    hash_s, _ = _best(lambda: codec.state_sha256(new), repeats)
-    exact = codec.state_sha256(result) == new_sha and all(
-        hashlib.sha256(codec._bits(result[n]).tobytes()).digest() == hashlib.sha256(codec._bits(new[n]).tobytes()).digest()
+    dec_s, _ = _best(lambda: decode_unverified(old, delta), repeats)
+    dec_v_s, result = _best(lambda: apply_delta(old, delta, old_sha256=old_sha), repeats)
+    dec_h_s, _ = _best(lambda: apply_delta(old, delta), repeats)
+    hash_s, _ = _best(lambda: state_sha256(new), repeats)
+    exact = state_sha256(result) == new_sha and all(
+        hashlib.sha256(element_bits(result[n]).tobytes()).digest() == hashlib.sha256(element_bits(new[n]).tobytes()).digest()
         for n in new)
     on_device = measure_device(old, new, old_sha, new_sha, delta, device, repeats) if device is not None else {}
     return {
@@ -180,10 +189,10 @@ def measure(old: State, new: State, repeats: int, device: torch.device | None = 
 
 def bench_device(name: str | None) -> torch.device | None:
     """``--device``: None (not given, or ``auto`` without a GPU), torch's CPU for ``cpu``, else as
-    :func:`flywheel.weights.codec.resolve_device`."""
+    :func:`flywheel.weights.codec.delta.resolve_device`."""
     if name is None:
         return None
-    return torch.device("cpu") if name == "cpu" else codec.resolve_device(name)
+    return torch.device("cpu") if name == "cpu" else resolve_device(name)
 
 
 def main(argv: list[str] | None = None) -> None:

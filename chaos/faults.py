@@ -245,7 +245,7 @@ def fault_bad_delta(c: Chaos) -> None:
     roll the promoted version back and restore the previous stable (a failed rollout leaves the
     fleet on the previous stable version). Then the object is repaired, and the line must move on:
     a later version (whose chain runs through the repaired one) promoted and served by every node."""
-    from flywheel.weights.codec import encode_delta_with_summary
+    from flywheel.weights.codec.delta import encode_delta_with_summary
 
     registry = c.registry()
     root = c.fleet.base.store_path

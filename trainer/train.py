@@ -73,7 +73,7 @@ from flywheel.events import ScoredTrajectory
 from flywheel.health import Beat
 from flywheel.lm import load_model
 from flywheel.settings import Settings, TrainerSettings
-from flywheel.weights.codec import state_sha256
+from flywheel.weights.codec.state import state_sha256
 from flywheel.weights.registry import Registry, State, VersionInfo
 from flywheel.weights.store import make_store
 from trainer import checkpoint

@@ -63,7 +63,7 @@ def _add_device(parser: argparse.ArgumentParser) -> None:
 
 def _read_state(path: Path) -> dict[str, Any]:
     """The state in a safetensors file, in name order (``decode_full``), so ``diff`` is reproducible."""
-    from flywheel.weights.codec import decode_full
+    from flywheel.weights.codec.state import decode_full
 
     return decode_full(path.read_bytes())
 
@@ -94,7 +94,7 @@ def _fail(message: str) -> int:
 
 
 def _diff(args: argparse.Namespace, _settings: Any = None) -> int:
-    from flywheel.weights.codec import encode_delta, resolve_device
+    from flywheel.weights.codec.delta import encode_delta, resolve_device
 
     try:
         device = resolve_device(args.device)
@@ -113,7 +113,8 @@ def _diff(args: argparse.Namespace, _settings: Any = None) -> int:
 
 
 def _apply(args: argparse.Namespace, _settings: Any = None) -> int:
-    from flywheel.weights.codec import DeltaError, apply_delta, encode_full, state_sha256
+    from flywheel.weights.codec.delta import apply_delta
+    from flywheel.weights.codec.state import DeltaError, encode_full, state_sha256
 
     try:
         old = _read_state(args.old)
@@ -126,7 +127,8 @@ def _apply(args: argparse.Namespace, _settings: Any = None) -> int:
 
 
 def _stats(args: argparse.Namespace, _settings: Any = None) -> int:
-    from flywheel.weights.codec import delta_stats, resolve_device
+    from flywheel.weights.codec.delta import resolve_device
+    from flywheel.weights.codec.stats import delta_stats
 
     try:
         device = resolve_device(args.device)

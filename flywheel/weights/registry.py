@@ -49,16 +49,10 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
 from flywheel.db.models import ModelVersion, Node, VersionTransition
-from flywheel.weights.codec import (
-    DeltaError,
-    apply_delta,
-    count_changed,
-    decode_full,
-    encode_delta_with_summary,
-    encode_full,
-    read_delta_header,
-    state_sha256,
-)
+from flywheel.weights.codec.container import read_delta_header
+from flywheel.weights.codec.delta import apply_delta, encode_delta_with_summary
+from flywheel.weights.codec.state import DeltaError, decode_full, encode_full, state_sha256
+from flywheel.weights.codec.stats import count_changed
 from flywheel.weights.store import Store, StoreError, validate_key
 
 State = dict[str, torch.Tensor]

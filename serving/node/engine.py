@@ -47,7 +47,7 @@ import torch
 
 from flywheel import lm
 from flywheel.settings import Settings
-from flywheel.weights.codec import state_sha256
+from flywheel.weights.codec.state import state_sha256
 
 log = logging.getLogger(__name__)
 

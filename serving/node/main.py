@@ -108,7 +108,7 @@ def run_vllm(settings: Settings, stop: threading.Event | None = None) -> None:
     if settings.node.vllm_mode == "lora":
         _run_vllm_lora(settings, stop or threading.Event())
         return
-    from flywheel.weights.codec import decode_full, state_sha256
+    from flywheel.weights.codec.state import decode_full, state_sha256
     from serving.node.updater import Updater, node_url
     from serving.node.vllm_adapter import VllmAdapter
     from serving.node.vllm_front import VersionGate, create_front

@@ -64,7 +64,7 @@ import httpx
 import safetensors.torch
 import torch
 
-from flywheel.weights.codec import encode_full, state_sha256
+from flywheel.weights.codec.state import encode_full, state_sha256
 from serving.node.updater import UpdateOutcome
 
 log = logging.getLogger(__name__)

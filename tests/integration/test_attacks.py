@@ -483,7 +483,7 @@ def test_a_forged_store_key_cannot_reach_another_prefix_in_s3(stack: Stack, s3, 
 def test_weights_cli_output_is_not_written_through_a_planted_symlink(tmp_path: Path) -> None:
     import torch
 
-    from flywheel.weights.codec import encode_full
+    from flywheel.weights.codec.state import encode_full
     from launch.cli import main
 
     shared = tmp_path / "shared"  # a folder others can write to, such as /tmp

@@ -26,7 +26,7 @@ from flywheel.db.session import make_engine, make_session_factory, upgrade
 from flywheel.events import FeedbackEvent, GenerationEvent, SamplingParams, ScoredTrajectory, TrajectoryEvent
 from flywheel.events import feedback_event_id, new_id
 from flywheel.settings import Settings, load_settings
-from flywheel.weights.codec import state_sha256
+from flywheel.weights.codec.state import state_sha256
 from flywheel.weights.registry import Registry
 from flywheel.weights.store import make_store
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from flywheel.settings import load_settings
-from flywheel.weights.codec import state_sha256
+from flywheel.weights.codec.state import state_sha256
 from flywheel.weights.registry import LinePinned, Registry, StatusChanged, VersionNotFound, WeightsError
 from flywheel.weights.store import FolderStore, InvalidKey, ObjectNotFound, S3Store, make_store
 

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from flywheel.db.models import Node
-from flywheel.weights.codec import apply_delta, state_sha256
+from flywheel.weights.codec.delta import apply_delta
+from flywheel.weights.codec.state import state_sha256
 from flywheel.weights.registry import Registry, WeightsError
 from flywheel.weights.store import FolderStore
 from tests.integration.test_registry import assert_bit_exact, make_state, train_step

@@ -336,7 +336,7 @@ def _logprob_gap(reference, state: dict[str, torch.Tensor], prompt_ids: list[int
 
 
 def test_a_batch_never_mixes_versions_and_eviction_spares_the_live_one(tmp_path, quick_model_dir, reference):
-    from flywheel.weights.codec import state_sha256
+    from flywheel.weights.codec.state import state_sha256
     from serving.node.engine import Engine, GenerationRequest, VersionUnavailable
 
     settings = load_settings(data_dir=str(tmp_path), node={"keep_versions": 2})

@@ -16,7 +16,7 @@ import pytest
 import safetensors.torch
 import torch
 
-from flywheel.weights.codec import encode_full, state_sha256
+from flywheel.weights.codec.state import encode_full, state_sha256
 from flywheel.weights.registry import Registry
 from flywheel.weights.store import FolderStore
 from serving.node.updater import Updater

@@ -19,7 +19,7 @@ import pytest
 
 from flywheel.db.session import make_engine, make_session_factory, upgrade
 from flywheel.settings import load_settings
-from flywheel.weights.codec import encode_full
+from flywheel.weights.codec.state import encode_full
 from flywheel.weights.registry import Registry, VersionInfo
 from flywheel.weights.store import FolderStore
 from serving.node.updater import Updater

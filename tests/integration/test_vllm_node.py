@@ -27,7 +27,7 @@ from sqlalchemy import select
 from flywheel.db.models import Node
 from flywheel.db.session import make_engine, make_session_factory, upgrade
 from flywheel.settings import SettingsError, load_settings
-from flywheel.weights.codec import encode_full
+from flywheel.weights.codec.state import encode_full
 from flywheel.weights.registry import Registry
 from flywheel.weights.store import FolderStore
 from serving.node.main import run as run_node

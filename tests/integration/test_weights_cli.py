@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from flywheel.db.session import make_engine, make_session_factory, upgrade
-from flywheel.weights.codec import decode_full, encode_full, state_sha256
+from flywheel.weights.codec.state import decode_full, encode_full, state_sha256
 from flywheel.weights.registry import Registry
 from flywheel.weights.store import FolderStore
 from launch.cli import main

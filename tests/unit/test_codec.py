@@ -10,18 +10,13 @@ import pytest
 import torch
 import zstandard
 
-from flywheel.weights import codec
-from flywheel.weights.codec import (
-    DeltaError,
-    apply_delta,
-    count_changed,
-    decode_full,
-    delta_stats,
-    encode_delta,
-    encode_full,
-    read_delta_header,
-    state_sha256,
-)
+from flywheel.weights.codec import container, kernels, sparse, streams, tensor_coding
+from flywheel.weights.codec.bitview import from_order_keys, order_keys, zigzag
+from flywheel.weights.codec.classes import SAMPLE_BLOCK, SAMPLE_BLOCKS
+from flywheel.weights.codec.container import read_delta_header
+from flywheel.weights.codec.delta import apply_delta, encode_delta
+from flywheel.weights.codec.state import DeltaError, decode_full, encode_full, state_sha256
+from flywheel.weights.codec.stats import count_changed, delta_stats
 
 pytestmark = pytest.mark.unit
 
@@ -306,7 +301,7 @@ def test_corrupted_deltas_never_yield_wrong_weights(rng: random.Random) -> None:
     assert refused > trials * 0.8
     with pytest.raises(DeltaError, match="magic"):
         apply_delta(old, b"XX" + delta[2:])
-    version_bumped = delta[:8] + (codec.FORMAT_VERSION + 1).to_bytes(2, "little") + delta[10:]
+    version_bumped = delta[:8] + (container.FORMAT_VERSION + 1).to_bytes(2, "little") + delta[10:]
     with pytest.raises(DeltaError, match="format version"):
         apply_delta(old, version_bumped)
 
@@ -325,7 +320,7 @@ def test_garbage_header_is_refused(rng: random.Random) -> None:
     for header in headers:
         # The header is zstd coded JSON: garbage inside a good frame, and a raw (unframed) header.
         for head in (zstandard.ZstdCompressor().compress(header), header):
-            blob = codec.MAGIC + codec._PREFIX.pack(codec.FORMAT_VERSION, len(head)) + head
+            blob = container.MAGIC + container.PREFIX.pack(container.FORMAT_VERSION, len(head)) + head
             with pytest.raises(DeltaError):
                 apply_delta(old, blob)
 
@@ -337,15 +332,15 @@ def test_garbage_header_is_refused(rng: random.Random) -> None:
 def test_float_keys_are_monotone_and_bijective(rng: random.Random, dtype: type) -> None:
     width = np.dtype(dtype).itemsize
     raw = np.random.default_rng(rng.getrandbits(64)).integers(0, 2 ** (8 * width), 5000, dtype=dtype)
-    keys = codec._keys(raw, True)
-    assert np.array_equal(codec._unkeys(keys, True), raw)
+    keys = order_keys(raw, True)
+    assert np.array_equal(from_order_keys(keys, True), raw)
     as_float = raw.view(np.float16 if width == 2 else np.float32)
     finite = np.isfinite(as_float)
     floats = as_float[finite].astype(np.float64)
     order = np.argsort(keys[finite], kind="stable")
     assert np.all(np.diff(floats[order]) >= 0)  # key order is value order
     one = np.array([0x3F80], dtype=np.uint16)  # bf16 1.0 and its next value up: a step of +1
-    assert codec._zigzag(codec._keys(one + 1, True) - codec._keys(one, True))[0] == 2
+    assert zigzag(order_keys(one + 1, True) - order_keys(one, True))[0] == 2
 
 
 def test_integer_streams_round_trip_including_escapes(rng: random.Random) -> None:
@@ -362,10 +357,10 @@ def test_integer_streams_round_trip_including_escapes(rng: random.Random) -> Non
         np.array([], dtype=np.uint64),
     ]
     for values in cases:
-        packed = codec._pack(values, cctx)
-        assert np.array_equal(codec._unpack(packed, values.size, dctx, "t"), values.astype(np.uint64))
+        packed = streams.pack(values, cctx)
+        assert np.array_equal(streams.unpack(packed, values.size, dctx, "t"), values.astype(np.uint64))
     with pytest.raises(DeltaError):
-        codec._unpack(codec._pack(cases[1], cctx), cases[1].size + 1, dctx, "t")
+        streams.unpack(streams.pack(cases[1], cctx), cases[1].size + 1, dctx, "t")
 
 
 @pytest.mark.parametrize(
@@ -382,23 +377,23 @@ def test_rice_streams_round_trip(rng: random.Random, kind: str) -> None:
         "mixed": np.concatenate([gen_np.integers(0, 40, 3000), gen_np.integers(2**17, 2**20, 5)]).astype(np.uint64),
         "one_huge": np.array([2**40 + rng.randrange(1000)], dtype=np.uint64),
     }[kind]
-    k = codec._rice_k(values)
-    unary, low = codec._rice_encode(values, k)
-    assert np.array_equal(codec._rice_decode(unary, low, k, values.size, "t"), values)
+    k = sparse.rice_k(values)
+    unary, low = sparse.rice_encode(values, k)
+    assert np.array_equal(sparse.rice_decode(unary, low, k, values.size, "t"), values)
     if values.size:
         with pytest.raises(DeltaError):
-            codec._rice_decode(unary, low, k, values.size + 1, "t")  # fewer codes than claimed
+            sparse.rice_decode(unary, low, k, values.size + 1, "t")  # fewer codes than claimed
         with pytest.raises(DeltaError):
-            codec._rice_decode(unary + b"\x01", low, k, values.size, "t")  # trailing garbage
+            sparse.rice_decode(unary + b"\x01", low, k, values.size, "t")  # trailing garbage
         if k:
             with pytest.raises(DeltaError):
-                codec._rice_decode(unary, low[:-1], k, values.size, "t")  # truncated remainders
+                sparse.rice_decode(unary, low[:-1], k, values.size, "t")  # truncated remainders
 
 
 def test_rice_cost_is_near_the_geometric_entropy(rng: random.Random) -> None:
     p = rng.choice([0.005, 0.02, 0.05])
     gaps = np.random.default_rng(rng.getrandbits(64)).geometric(p, 50_000).astype(np.uint64) - 1
-    unary, low = codec._rice_encode(gaps, codec._rice_k(gaps))
+    unary, low = sparse.rice_encode(gaps, sparse.rice_k(gaps))
     entropy = -(p * np.log2(p) + (1 - p) * np.log2(1 - p)) / p  # bits per geometric gap
     assert 8 * (len(unary) + len(low)) / gaps.size < entropy * 1.03
 
@@ -458,8 +453,8 @@ def test_bad_class_entries_are_refused(rng: random.Random) -> None:
         parsed = read_delta_header(delta)[0]
         raw = {"base_sha256": parsed.base_sha256, "target_sha256": parsed.target_sha256, "tensors": parsed.tensors}
         raw["tensors"][0][key] = value
-        head = codec._header_bytes(raw)
-        blob = codec.MAGIC + codec._PREFIX.pack(codec.FORMAT_VERSION, len(head)) + head + delta[offset:]
+        head = container.header_bytes(raw)
+        blob = container.MAGIC + container.PREFIX.pack(container.FORMAT_VERSION, len(head)) + head + delta[offset:]
         with pytest.raises(DeltaError):
             apply_delta(old, blob)
 
@@ -515,14 +510,14 @@ def test_step_streams_round_trip_including_escapes(rng: random.Random, width: in
     small = gen_np.integers(1, 9, count).astype(np.uint64)
     edges = np.array([1, 2, 6, 7, 8, 9, top - 1, top, top // 2, top // 2 + 1], dtype=np.uint64)
     steps = np.concatenate([small, edges])[gen_np.permutation(count + edges.size)].astype(dtype)
-    (signs, mags, rest), _ = codec._encode_steps(steps, cctx)
-    decoded = codec._decode_steps(memoryview(signs), memoryview(mags), memoryview(rest), steps.size, width, dctx, "t")
+    (signs, mags, rest), _ = sparse.encode_steps(steps, cctx)
+    decoded = sparse.decode_steps(memoryview(signs), memoryview(mags), memoryview(rest), steps.size, width, dctx, "t")
     assert np.array_equal(decoded, steps.astype(np.uint64))
     with pytest.raises(DeltaError):
-        codec._decode_steps(memoryview(signs), memoryview(mags), memoryview(rest), steps.size + 9, width, dctx, "t")
+        sparse.decode_steps(memoryview(signs), memoryview(mags), memoryview(rest), steps.size + 9, width, dctx, "t")
     with pytest.raises(DeltaError):  # a set padding bit (or one byte too many)
         bad = signs[:-1] + bytes([signs[-1] | 0x80]) if steps.size % 8 else signs + b"\x01"
-        codec._decode_steps(memoryview(bad), memoryview(mags), memoryview(rest), steps.size, width, dctx, "t")
+        sparse.decode_steps(memoryview(bad), memoryview(mags), memoryview(rest), steps.size, width, dctx, "t")
 
 
 def test_select_finds_the_rth_set_bit(rng: random.Random) -> None:
@@ -531,18 +526,18 @@ def test_select_finds_the_rth_set_bit(rng: random.Random) -> None:
         x |= 1 << rng.randrange(64)
         ones = [b for b in range(64) if x >> b & 1]
         r = rng.randrange(len(ones))
-        assert codec._nb_select(np.uint64(x), r) == ones[r]
+        assert kernels.nb_select(np.uint64(x), r) == ones[r]
 
 
 def test_changes_the_threshold_sample_misses_still_round_trip(rng: random.Random) -> None:
     """The encoder sizes its buffers from a sample of blocks; changes only between the sampled
     blocks overflow them, and it must start again with room for everything."""
     g = gen(rng)
-    n = codec._SAMPLE_BLOCK * codec._SAMPLE_BLOCKS * 4
+    n = SAMPLE_BLOCK * SAMPLE_BLOCKS * 4
     old = {"w": (torch.randn(n, generator=g) * 0.02).bfloat16()}
     b = bits(old["w"]).clone()
-    every = n // (codec._SAMPLE_BLOCK * codec._SAMPLE_BLOCKS)
-    block = torch.arange(n) // codec._SAMPLE_BLOCK
+    every = n // (SAMPLE_BLOCK * SAMPLE_BLOCKS)
+    block = torch.arange(n) // SAMPLE_BLOCK
     b[block % every != 0] += 1  # every element outside the sampled blocks moves
     new = {"w": b.view(torch.bfloat16)}
     delta = encode_delta(old, new)
@@ -573,8 +568,9 @@ def test_packed_value_stream_round_trips(rng: random.Random, monkeypatch: pytest
     moved = torch.rand(20_000, generator=g) < 0.3
     new = {"w": torch.where(moved, old["w"] + 1e-4 * torch.randn(20_000, generator=g), old["w"])}
     assert_same(apply_delta(old, encode_delta(old, new)), new)  # whichever was smaller
-    split = codec._encode_steps
-    monkeypatch.setattr(codec, "_encode_steps", lambda steps, cctx: ([b"\0" * 10**6, b"", b""], split(steps, cctx)[1]))
+    split = sparse.encode_steps
+    monkeypatch.setattr(tensor_coding, "encode_steps",
+                        lambda steps, cctx: ([b"\0" * 10**6, b"", b""], split(steps, cctx)[1]))
     delta = encode_delta(old, new)
     entry = read_delta_header(delta)[0].tensors[0]
     assert entry["scheme"] == "sparse" and entry.get("values") == "packed"

@@ -14,8 +14,13 @@ import numpy as np
 import pytest
 import torch
 
-from flywheel.weights import codec
-from flywheel.weights.codec import apply_delta, encode_delta, read_delta_header, resolve_device
+from flywheel.weights.codec import changes, tensor_coding
+from flywheel.weights.codec import device as torch_path
+from flywheel.weights.codec.bitview import element_bits, order_keys, sparse_capable, zigzag
+from flywheel.weights.codec.classes import SAMPLE_BLOCK, SAMPLE_BLOCKS
+from flywheel.weights.codec.container import read_delta_header
+from flywheel.weights.codec.delta import apply_delta, encode_delta, resolve_device
+from flywheel.weights.codec.stats import delta_stats
 from tests.unit.test_codec import (  # noqa: F401  (rng is a fixture)
     FLOATS,
     SPECIALS,
@@ -43,7 +48,7 @@ SIGNED = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 def expected_changes(old: torch.Tensor, new: torch.Tensor, thresholds: list[int]) -> tuple[list, list]:
     """Per class, the gaps and zigzag steps of the changed elements, read off the format's
     definition with numpy (the classes from the given thresholds)."""
-    a, b = codec._bits(old), codec._bits(new)
+    a, b = element_bits(old), element_bits(new)
     changed = a != b
     magnitude = a & a.dtype.type((1 << (8 * a.itemsize - 1)) - 1)
     cls = sum((magnitude >= t).astype(np.int64) for t in thresholds) if thresholds else np.zeros(a.size, np.int64)
@@ -54,14 +59,14 @@ def expected_changes(old: torch.Tensor, new: torch.Tensor, thresholds: list[int]
         rank = np.cumsum(members) - 1
         hit = changed & members
         gaps.append((np.diff(rank[hit], prepend=-1) - 1).astype(np.uint64))
-        steps.append(codec._zigzag(codec._keys(b[hit], floating) - codec._keys(a[hit], floating)))
+        steps.append(zigzag(order_keys(b[hit], floating) - order_keys(a[hit], floating)))
     return gaps, steps
 
 
-def assert_same_changes(old: torch.Tensor, new: torch.Tensor, device: str) -> codec._Changes:
+def assert_same_changes(old: torch.Tensor, new: torch.Tensor, device: str) -> changes.Changes:
     """The torch path on ``device`` finds what the numba kernels find, and what numpy reads."""
-    want = codec._scan(codec._bits(old), codec._bits(new), new.dtype)
-    got = codec._scan_torch(old, new, torch.device(device))
+    want = changes.scan(element_bits(old), element_bits(new), new.dtype)
+    got = torch_path.scan_torch(old, new, torch.device(device))
     assert got.thresholds == want.thresholds
     gaps, steps = expected_changes(old, new, want.thresholds)
     for name, ours, theirs, numpy_read in (("gaps", got.gaps, want.gaps, gaps),
@@ -70,7 +75,7 @@ def assert_same_changes(old: torch.Tensor, new: torch.Tensor, device: str) -> co
         for c, (x, y, z) in enumerate(zip(ours, theirs, numpy_read, strict=True)):
             assert x.dtype == y.dtype == z.dtype, (name, c)
             assert np.array_equal(x, y) and np.array_equal(y, z), (name, c)
-    assert sum(g.size for g in got.gaps) == int(np.count_nonzero(codec._bits(old) != codec._bits(new)))
+    assert sum(g.size for g in got.gaps) == int(np.count_nonzero(element_bits(old) != element_bits(new)))
     return got
 
 
@@ -125,7 +130,7 @@ def test_changes_match_the_kernels_with_special_values(rng: random.Random, devic
 def test_changes_match_the_kernels_with_magnitude_classes(rng: random.Random, device: str,
                                                           dtype: torch.dtype) -> None:
     # 32 sampled blocks and a short tail: the threshold sample takes a partial last block.
-    n = codec._SAMPLE_BLOCK * codec._SAMPLE_BLOCKS * 6 + rng.randrange(1, codec._SAMPLE_BLOCK)
+    n = SAMPLE_BLOCK * SAMPLE_BLOCKS * 6 + rng.randrange(1, SAMPLE_BLOCK)
     for make, classes in ((_context_pair, 2), (three_rate_pair, 3)):
         old, new = make(rng, n, dtype)
         found = assert_same_changes(old["w"], new["w"], device)
@@ -152,7 +157,7 @@ def test_zero_signs_all_changed_none_changed_and_tiny_tensors(rng: random.Random
         for new in (old.clone(), every, anything):
             assert_same_changes(old, new, device)
             assert_same_delta({"w": old}, {"w": new}, device)
-        found = codec._scan_torch(old, old.clone(), torch.device(device))
+        found = torch_path.scan_torch(old, old.clone(), torch.device(device))
         assert sum(s.size for s in found.steps) == 0
     delta = encode_delta({"w": old}, {"w": old.clone()}, device=device)
     assert read_delta_header(delta)[0].tensors[0]["scheme"] == "same"
@@ -163,12 +168,12 @@ def test_a_partial_last_sample_block_counts(rng: random.Random, device: str) -> 
     """The class thresholds come from a sample of blocks that ends in a partial block: when all the
     changes are there, both paths must still see them (and split small from large weights)."""
     g = gen(rng)
-    stride = codec._SAMPLE_BLOCK * 6
-    n = stride * codec._SAMPLE_BLOCKS + rng.randrange(300, codec._SAMPLE_BLOCK)  # every 6th block
+    stride = SAMPLE_BLOCK * 6
+    n = stride * SAMPLE_BLOCKS + rng.randrange(300, SAMPLE_BLOCK)  # every 6th block
     scale = torch.where(torch.arange(n) % 2 == 0, 1e-4, 1.0)
     old = (torch.randn(n, generator=g) * scale).bfloat16()
     b = bits(old).clone()
-    tail = torch.arange(n) >= stride * codec._SAMPLE_BLOCKS
+    tail = torch.arange(n) >= stride * SAMPLE_BLOCKS
     new = torch.where(tail & (scale < 1), b + 1, b).view(torch.bfloat16)
     assert len(assert_same_changes(old, new, device).thresholds) == 1
     assert_same_delta({"w": old}, {"w": new}, device)
@@ -177,7 +182,7 @@ def test_a_partial_last_sample_block_counts(rng: random.Random, device: str) -> 
 @pytest.mark.parametrize("device", DEVICES)
 def test_chunk_boundaries(rng: random.Random, device: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The torch path works through a tensor in chunks, carrying the class counts across."""
-    monkeypatch.setattr(codec, "_TORCH_CHUNK", rng.choice([64, 1000, 4099]))
+    monkeypatch.setattr(torch_path, "TORCH_CHUNK", rng.choice([64, 1000, 4099]))
     for dtype in FLOATS:
         old, new = three_rate_pair(rng, 30_000 + rng.randrange(1000), dtype)
         assert_same_changes(old["w"], new["w"], device)
@@ -204,7 +209,7 @@ def test_other_dtypes_match_the_kernels(rng: random.Random, device: str) -> None
     old["f64"][:2] = torch.tensor([float("inf"), -float("inf")], dtype=torch.float64)
     new["f64"][:2] = -old["f64"][:2]
     for name, t in old.items():
-        if codec._sparse_capable(t):
+        if sparse_capable(t):
             assert_same_changes(t, new[name], device)
     assert_same_delta(old, new, device)
 
@@ -231,10 +236,10 @@ def test_the_device_argument_picks_the_path(rng: random.Random, monkeypatch: pyt
         raise AssertionError("the other path was taken")
 
     with monkeypatch.context() as patch:
-        patch.setattr(codec, "_scan", not_this_one)
+        patch.setattr(tensor_coding, "scan", not_this_one)
         assert encode_delta(old, new, device="cpu") == delta
         assert encode_delta(old, new, device=torch.device("cpu")) == delta
-    monkeypatch.setattr(codec, "_scan_torch", not_this_one)
+    monkeypatch.setattr(tensor_coding, "scan_torch", not_this_one)
     assert encode_delta(old, new, device=None) == delta
 
 
@@ -246,10 +251,11 @@ def test_tensors_on_the_device_use_it_by_default(rng: random.Random, device: str
     on = {n: t.to(device) for n, t in old.items()}, {n: t.to(device) for n, t in new.items()}
     delta = encode_delta(old, new)
     if device != "cpu":  # CPU tensors go to the numba kernels; others must not
-        monkeypatch.setattr(codec, "_scan", lambda *args: pytest.fail("numba path taken for tensors on a device"))
+        monkeypatch.setattr(tensor_coding, "scan",
+                            lambda *args: pytest.fail("numba path taken for tensors on a device"))
     assert encode_delta(*on) == delta
-    assert codec.delta_stats(*on)["bytes_delta"] == len(delta)
-    assert codec.delta_stats(old, new, device=device)["bytes_delta"] == len(delta)
+    assert delta_stats(*on)["bytes_delta"] == len(delta)
+    assert delta_stats(old, new, device=device)["bytes_delta"] == len(delta)
     assert_same(apply_delta(on[0], delta), new)
 
 

@@ -210,7 +210,7 @@ def test_lora_adapter_versions_are_the_peft_adapter_state(tiny, tmp_path) -> Non
     from pydantic import ValidationError
 
     from flywheel.lm import export_state
-    from flywheel.weights.codec import state_sha256
+    from flywheel.weights.codec.state import state_sha256
     from trainer.policy import Policy
 
     with pytest.raises(ValidationError, match="lora_rank"):

@@ -1,0 +1,79 @@
+"""Whole states: their canonical SHA-256 and full checkpoints (safetensors); the codec's error.
+
+A *state* is a ``dict[str, torch.Tensor]`` (CPU or not; it is read through CPU views). The hash is
+what registries, trainers and nodes compare to know two states are the same weights, so this module
+must stay cheap to import: it never imports the delta kernels (numba).
+
+Invariant: :func:`state_sha256` is independent of dict order and memory layout, and any bit flip,
+rename, dtype or shape change changes it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Mapping
+
+import safetensors.torch
+import torch
+
+from flywheel.weights.codec.bitview import dtype_name, element_bits, le_bytes
+from flywheel.weights.codec.workers import map_tensors
+
+State = dict[str, torch.Tensor]
+
+
+class DeltaError(ValueError):
+    """A delta (or full checkpoint) is corrupt, truncated, or does not belong to the given base."""
+
+
+def _tensor_digest(t: torch.Tensor) -> bytes:
+    return hashlib.sha256(le_bytes(element_bits(t))).digest()
+
+
+def state_sha256(state: Mapping[str, torch.Tensor]) -> str:
+    """Canonical SHA-256 of a state, independent of dict order and memory layout.
+
+    Two levels, so that tensors hash in parallel: each tensor's raw little-endian bytes are hashed
+    on their own, then one SHA-256 covers, for every name in sorted order, the name, dtype string,
+    shape, byte count and that tensor digest. Equal states give equal hashes; any bit flip, rename,
+    dtype or shape change gives a different one.
+    """
+    names = sorted(state)
+    digests = map_tensors(lambda n: _tensor_digest(state[n]), names, [state[n].numel() for n in names])
+    h = hashlib.sha256(b"flywheel-state-v1\x00")
+    for name, digest in zip(names, digests, strict=True):
+        t = state[name]
+        encoded_name = name.encode("utf-8")
+        dtype = dtype_name(t.dtype).encode()
+        shape = tuple(t.shape)
+        h.update(struct.pack("<I", len(encoded_name)) + encoded_name)
+        h.update(struct.pack("<I", len(dtype)) + dtype)
+        h.update(struct.pack(f"<I{len(shape)}q", len(shape), *shape))
+        h.update(struct.pack("<Q", t.numel() * t.element_size()))
+        h.update(digest)
+    return h.hexdigest()
+
+
+def encode_full(state: Mapping[str, torch.Tensor]) -> bytes:
+    """A safetensors file holding ``state`` (tensors that share storage are written separately)."""
+    seen: set[int] = set()
+    out: State = {}
+    for name, t in state.items():
+        t = t.detach().cpu().contiguous()
+        ptr = t.untyped_storage().data_ptr()
+        if t.numel() and ptr in seen:
+            t = t.clone()
+        seen.add(ptr)
+        out[name] = t
+    return safetensors.torch.save(out)
+
+
+def decode_full(data: bytes) -> State:
+    """Inverse of :func:`encode_full`, tensors in name order (safetensors' own order varies from
+    call to call, and a delta's layout follows its input's order); corrupt input raises
+    :class:`DeltaError`."""
+    try:
+        return dict(sorted(safetensors.torch.load(bytes(data)).items()))
+    except Exception as exc:  # safetensors raises its own SafetensorError and others on bad input
+        raise DeltaError(f"corrupt full checkpoint: {exc}") from exc
