@@ -178,7 +178,7 @@ def _gc(args: argparse.Namespace, settings: Any) -> int:
 
 
 def format_stats(stats: dict[str, Any]) -> str:
-    """A plain-text table of :func:`flywheel.weights.codec.delta_stats`' result."""
+    """A plain-text table of :func:`flywheel.weights.codec.stats.delta_stats`' result."""
     head = (
         f"{'dtype':<10} {'tensors':>7} {'elements':>12} {'changed':>8} {'full':>12} "
         f"{'delta':>12} {'xor+zstd':>12} {'floor':>12}"

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import random
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -141,6 +143,24 @@ def test_full_checkpoint_round_trip(rng: random.Random) -> None:
     assert_same(decode_full(encode_full(state)), state)
     with pytest.raises(DeltaError):
         decode_full(b"not a safetensors file at all")
+
+
+def test_hashing_and_reading_a_header_import_no_jit_compiler() -> None:
+    """Processes that only hash states (trainer, nodes, the vLLM adapter) must not pay for numba:
+    the numba-free modules import the compiled side only when a delta is encoded or applied."""
+    script = (
+        "import sys, torch\n"
+        "import flywheel.weights.registry, flywheel.weights.store, flywheel.weights.cli\n"
+        "from flywheel.weights.codec import bitview, container, delta, state, stats, streams, workers\n"
+        "old = {'w': torch.zeros(70, dtype=torch.bfloat16)}\n"
+        "new = {'w': torch.ones(70, dtype=torch.bfloat16)}\n"
+        "state.state_sha256(new), state.decode_full(state.encode_full(new)), stats.count_changed(old, new)\n"
+        "assert 'numba' not in sys.modules and 'llvmlite' not in sys.modules, 'imported before any delta'\n"
+        "blob = delta.encode_delta(old, new)\n"
+        "container.read_delta_header(blob)\n"
+        "assert 'numba' in sys.modules, 'encoding a delta uses the kernels'\n"
+    )
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=300)
 
 
 # --- deltas -------------------------------------------------------------------------------------

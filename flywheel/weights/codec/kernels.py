@@ -8,11 +8,12 @@ directions are one pass over the tensor plus work per changed element. The kerne
 so tensors code in parallel on the thread pool. All arithmetic on element bits is done in uint64
 with explicit masks to the element width.
 
-Compiled on first call and cached on disk (``cache=True``): next to this module in
-``__pycache__`` where that is writable, else in numba's user-wide cache (or ``NUMBA_CACHE_DIR``
-where set), else compiled once per process. Numba keys a cached kernel on its own source file only,
-so kernels that call one another must live in one file (this one); ``classes.py``'s kernels call
-none from here.
+Compiled on first call and cached on disk (``cache=True``), so a later process loads them instead
+of compiling: in ``NUMBA_CACHE_DIR`` where that is set, else next to this module in ``__pycache__``
+(beside the ``.pyc`` files) where that is writable, else in numba's user-wide cache
+(``~/.cache/numba``), else compiled once per process (:func:`kernel`). Numba checks a cached
+kernel against its own source file only, so kernels that call one another live in one file (this
+one); ``classes.py``'s kernels call none from here.
 
 Importing this module imports numba (about a tenth of a second and a JIT compiler): only the encode
 and apply paths do, never hashing or reading a header.
