@@ -23,7 +23,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from typing import Any, TypeVar
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -31,23 +32,13 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from flywheel.keys import check_tenant
 from flywheel.settings import Settings
-from flywheel.weights.registry import Registry, VersionNotFound
-from flywheel.weights.store import make_store
 from serving.errors import APIError, from_pydantic
 from serving.gateway.openapi import body_schema, optional_body_schema
 from serving.gateway.services import services
 from serving.protocol import read_json_body
-from serving.rollout import (
-    RolloutError,
-    announce,
-    manual_pin,
-    manual_promote,
-    manual_rollback,
-    manual_unpin,
-    node_waker,
-    pin_figures,
-    status_report,
-)
+
+if TYPE_CHECKING:
+    from flywheel.weights.registry import Registry
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +95,7 @@ async def admin_versions(request: Request) -> dict[str, Any]:
     await gateway.access.admin(request)
     registry = line_registry(gateway.settings, gateway.sessions)
     return await asyncio.to_thread(lambda: json.loads(json.dumps(
-        status_report(registry, gateway.sessions, gateway.settings.rollout), default=str)))
+        rollout().status_report(registry, gateway.sessions, gateway.settings.rollout), default=str)))
 
 
 @router.post("/admin/versions/{version}/{action}", openapi_extra=optional_body_schema(RolloutActionRequest))
@@ -121,23 +112,24 @@ async def admin_version_action(version: int, action: str, request: Request) -> d
         raise APIError(404, f"version {version} of {settings.model.line} is not in the registry",
                        param="version", code="version_not_found")
     registry = line_registry(settings, gateway.sessions)
+    from flywheel.weights.registry import VersionNotFound  # loaded by line_registry
 
     def apply() -> dict[str, Any]:
         pin = None
         if isinstance(body, LinePinRequest):
-            pin, changed = manual_pin(registry, version, who, body.reason)
+            pin, changed = rollout().manual_pin(registry, version, who, body.reason)
         else:
-            act = manual_promote if action == "promote" else manual_rollback
+            act = rollout().manual_promote if action == "promote" else rollout().manual_rollback
             note = f"{who}: {body.reason}" if body.reason else who
             changed = act(registry, version, note, force=body.force, by=who)
         infos = [registry.get(v) for v in changed]
         try:
-            announce(settings, infos)
+            rollout().announce(settings, infos)
         except Exception as exc:  # the bus is down: the change stands (nodes follow the registry)
             log.warning("version change not announced on the bus: %s", exc)
         result: dict[str, Any] = {"changed": [{"version": i.version, "status": i.status} for i in infos]}
         if pin is not None:
-            result["pin"] = pin_figures(pin)
+            result["pin"] = rollout().pin_figures(pin)
         return result
 
     try:
@@ -145,7 +137,7 @@ async def admin_version_action(version: int, action: str, request: Request) -> d
     except VersionNotFound:
         raise APIError(404, f"version {version} of {settings.model.line} is not in the registry",
                        param="version", code="version_not_found") from None
-    except RolloutError as exc:
+    except rollout().RolloutError as exc:
         raise APIError(409, str(exc), code=exc.code) from None
     await gateway.router.refresh()
     return result
@@ -159,10 +151,10 @@ async def admin_unpin(request: Request) -> dict[str, Any]:
     body = await read_optional_body(request, LinePinRequest, gateway.settings.gateway.body_read_timeout_s)
     registry = line_registry(gateway.settings, gateway.sessions)
     try:
-        lifted = await asyncio.to_thread(manual_unpin, registry, who, body.reason)
-    except RolloutError as exc:
+        lifted = await asyncio.to_thread(rollout().manual_unpin, registry, who, body.reason)
+    except rollout().RolloutError as exc:
         raise APIError(409, str(exc), code="not_pinned") from None
-    return {"unpinned": pin_figures(lifted)}
+    return {"unpinned": rollout().pin_figures(lifted)}
 
 
 @router.put("/admin/pins/{tenant}", openapi_extra=body_schema(PinRequest))
@@ -187,9 +179,21 @@ async def admin_set_pin(tenant: str, request: Request) -> dict[str, Any]:
     return {"tenant": tenant, "version": pin.version, "served": held}
 
 
+def rollout() -> ModuleType:
+    """:mod:`serving.rollout`, imported by the first version route rather than at start-up: it brings
+    the weight registry and with it torch (about 250 MB and 1.7 s), which a gateway that never
+    serves an admin version call should not pay."""
+    import serving.rollout
+
+    return serving.rollout
+
+
 def line_registry(settings: Settings, sessions: sessionmaker[Session]) -> Registry:
     """The line's registry for the version routes (status changes only: no weights move)."""
-    return Registry(sessions, make_store(settings), settings.model.line, announce=node_waker(settings))
+    from flywheel.weights.registry import Registry
+    from flywheel.weights.store import make_store
+
+    return Registry(sessions, make_store(settings), settings.model.line, announce=rollout().node_waker(settings))
 
 
 async def read_optional_body(request: Request, model: type[Body], timeout_s: float) -> Body:
