@@ -17,8 +17,12 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/flywheel demo $(ARGS)
 
+# Workers for the suite: most tests wait on processes, brokers and timeouts rather than compute,
+# so three share two cores well; a module's tests stay on one worker (its fixtures start once).
+TEST_WORKERS ?= 3
+
 test: $(STAMP)
-	$(BIN)/python -m pytest $(ARGS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadscope $(ARGS)
 
 clean:
 	rm -rf $(VENV) .flywheel
