@@ -31,7 +31,8 @@ Phases, in one run, on the same broker:
 
 ``--profile DIR`` attaches ``py-spy record`` to the first level's workers and prints their top
 frames (raw stacks stay in DIR; CPU and profiles: :mod:`bench.profiling`); ``--env`` and
-``--db-setting`` try worker settings and PostgreSQL settings. Prints a table; ``--json PATH`` writes ``raw_rate``, ``pipeline_rate``,
+``--db-setting`` try worker settings and PostgreSQL settings. Prints a table; ``--json PATH`` writes ``raw_rate``,
+``pipeline_rate``,
 ``p99_event_to_scored_s`` and the rest. Targets (issue 4): ``pipeline_rate >= 0.5 x raw_rate``;
 ``p99_event_to_scored_s < 2`` at 1,000 events/s.
 
@@ -53,10 +54,11 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from bench.ingest_workload import TENANT, Event, is_outcome, session, workload
 from bench.profiling import CpuMeter, Profiler, backend_pids, profile_lines
@@ -261,7 +263,7 @@ class Workers:
     data_dir: Path
     procs: dict[str, list[subprocess.Popen]] = field(default_factory=dict)
 
-    def start(self) -> "Workers":
+    def start(self) -> Workers:
         env = {k: v for k, v in os.environ.items() if not k.startswith("FLYWHEEL_")}
         env.update({
             "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
@@ -551,7 +553,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--seconds", type=float, default=20.0, help="length of the latency phase (0: skip it)")
     parser.add_argument("--warmup", type=float, default=2.0, help="outcomes sent in the first seconds do not count")
     parser.add_argument("--drain", type=float, default=60.0, help="how long to wait for the last outcomes")
-    parser.add_argument("--latency-level", help="ingest:rewards for the latency phase (default: the level with the best pipeline rate)")
+    parser.add_argument("--latency-level",
+                        help="ingest:rewards for the latency phase (default: the level with the best pipeline rate)")
     parser.add_argument("--concurrency", type=int, default=200, help="sessions in flight at once")
     parser.add_argument("--partitions", type=int, default=4)
     parser.add_argument("--bootstrap", help="Kafka bootstrap servers (default KAFKA_BOOTSTRAP_SERVERS, else Tansu)")

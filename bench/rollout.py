@@ -111,12 +111,12 @@ def wait_for(what: str, check: Any, timeout_s: float, procs: list[subprocess.Pop
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    from demo.tinymodel.build import ensure_default_model
     from flywheel.db.session import make_engine, make_session_factory, upgrade
     from flywheel.settings import load_settings
-    from serving.rollout import node_waker
-    from demo.tinymodel.build import ensure_default_model
     from flywheel.weights.registry import Registry
     from flywheel.weights.store import FolderStore
+    from serving.rollout import node_waker
 
     regions = [f"region-{chr(ord('a') + r)}" for r in range(args.regions)]
     with tempfile.TemporaryDirectory(prefix="bench-rollout-") as tmp_name:

@@ -17,8 +17,8 @@ import asyncio
 import itertools
 import json
 import threading
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 MODEL = "tiny-sim"
 

@@ -22,8 +22,17 @@ import httpx
 
 from chaos.diagnose import read_topic
 from chaos.fleet import NODES, Fleet, NodeWatcher, node_logs
-from chaos.invariants import (DeadLetter, Expectation, FeedbackRow, GenRow, PoisonRecord, ScoredRow, Snapshot,
-                              TrajectoryRow, VersionRow)
+from chaos.invariants import (
+    DeadLetter,
+    Expectation,
+    FeedbackRow,
+    GenRow,
+    PoisonRecord,
+    ScoredRow,
+    Snapshot,
+    TrajectoryRow,
+    VersionRow,
+)
 from chaos.poison import HEADER, POISON_TENANT, TOPICS
 from chaos.users import Users
 from flywheel.settings import Settings

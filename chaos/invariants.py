@@ -27,8 +27,8 @@
 
 ``lost`` counts client-acknowledged items missing downstream (responses without a generation row,
 accepted feedback neither joined nor expired, generations in no trajectory, revisions never
-scored, good scored trajectories the trainer dead-lettered); ``duplicated`` counts rows or trainings that exist more than once. :func:`lost_items`
-lists the lost items for :func:`chaos.diagnose.diagnose`.
+scored, good scored trajectories the trainer dead-lettered); ``duplicated`` counts rows or trainings
+that exist more than once. :func:`lost_items` lists the lost items for :func:`chaos.diagnose.diagnose`.
 """
 
 from __future__ import annotations

@@ -84,8 +84,7 @@ class BusPoison:
 
 def _template(topic: str, n: str, session: str, model_line: str, version: int) -> dict[str, Any]:
     """A valid event of ``topic``'s type, as JSON data, naming ids that exist nowhere."""
-    from flywheel.events import (FeedbackEvent, GenerationEvent, SamplingParams, ScoredTrajectory, Segment,
-                                 TrajectoryEvent, Turn)
+    from flywheel.events import FeedbackEvent, GenerationEvent, SamplingParams, ScoredTrajectory, Segment, TrajectoryEvent, Turn
 
     common = {"event_id": f"poison-{n}", "tenant": POISON_TENANT, "session_id": session}
     gid = f"poison-gen-{n}"

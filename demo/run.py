@@ -52,7 +52,7 @@ class DemoOptions:
     seed: int = 0
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace) -> "DemoOptions":
+    def from_args(cls, args: argparse.Namespace) -> DemoOptions:
         return cls(args.quick, args.minutes, args.lr, args.users, args.json_path, args.plot_path, args.port, args.seed)
 
     @property
@@ -380,7 +380,8 @@ def _progress(pool: UserPool, registry: Any, watcher: NodeWatcher, elapsed: floa
     live = max(watcher.seen) if watcher.seen else None
     shipped = ""
     if latest is not None:
-        shipped = f"latest v{latest.version} {latest.kind} {latest.bytes / 1024:.0f} KiB ({100 * latest.bytes / latest.full_bytes:.1f}% of full)"
+        share = 100 * latest.bytes / latest.full_bytes
+        shipped = f"latest v{latest.version} {latest.kind} {latest.bytes / 1024:.0f} KiB ({share:.1f}% of full)"
     print(
         f"  t={elapsed:5.0f}s sessions={pool.stats.sessions:5d} answers={len(served):5d} "
         f"first-answer success (30s)={rate:5.1%} node v{live} | {shipped}",
@@ -429,7 +430,7 @@ def _plot(path: str, pool: UserPool, shipped: list[dict[str, Any]], heldout: dic
     for s in served:
         by_version.setdefault(s.version, []).append(s)
     cmap = plt.get_cmap("viridis", max(2, len(by_version)))
-    for i, (version, pts) in enumerate(sorted(by_version.items())):
+    for i, (_version, pts) in enumerate(sorted(by_version.items())):
         mean = sum(p.correct for p in pts) / len(pts)
         ax1.hlines(mean, pts[0].t, pts[-1].t, colors=[cmap(i)], lw=3)
     ax1.plot([], [], color=cmap(0), lw=3, label="mean of each serving version")

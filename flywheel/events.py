@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, NonNegativeInt, StringConstraints, model_validator
@@ -35,7 +35,7 @@ def new_id() -> str:
 
 
 def utcnow() -> datetime:
-    return datetime.now(timezone.utc)
+    return datetime.now(UTC)
 
 
 class _Event(BaseModel):
@@ -88,7 +88,7 @@ class GenerationEvent(_Event):
     latency_ms: float = Field(ge=0)
 
     @model_validator(mode="after")
-    def _aligned(self) -> "GenerationEvent":
+    def _aligned(self) -> GenerationEvent:
         if len(self.completion_logprobs) != len(self.completion_token_ids):
             raise ValueError("completion_logprobs must have one entry per completion token")
         return self
@@ -123,7 +123,7 @@ class FeedbackEvent(_Event):
     data: dict[str, Any] | None = None
 
     @model_validator(mode="after")
-    def _signal_matches_kind(self) -> "FeedbackEvent":
+    def _signal_matches_kind(self) -> FeedbackEvent:
         allowed = FEEDBACK_SIGNALS[self.kind]
         if allowed and self.signal not in allowed:
             raise ValueError(f"signal {self.signal!r} is not a {self.kind} signal; use one of {list(allowed)}")
@@ -160,7 +160,7 @@ class Segment(BaseModel):
     turns: list[Turn]
 
     @model_validator(mode="after")
-    def _aligned(self) -> "Segment":
+    def _aligned(self) -> Segment:
         if not (len(self.tokens) == len(self.mask) == len(self.logprobs)):
             raise ValueError("tokens, mask and logprobs must have the same length")
         if not set(self.mask) <= {0, 1}:
@@ -213,7 +213,7 @@ class ScoredTrajectory(_Event):
     held_out: bool = False
 
     @model_validator(mode="after")
-    def _advantages_aligned(self) -> "ScoredTrajectory":
+    def _advantages_aligned(self) -> ScoredTrajectory:
         if self.turn_advantages is not None and len(self.turn_advantages) != len(self.turn_rewards):
             raise ValueError("turn_advantages must have one entry per turn reward")
         turns = sum(len(s.turns) for s in self.segments)

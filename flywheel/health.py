@@ -28,8 +28,9 @@ import os
 import socket
 import tempfile
 import time
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 log = logging.getLogger("flywheel.health")
 

@@ -51,7 +51,7 @@ class JSONPolicyError(ValueError):
 class _NonFinite(float):
     """Stands in for ``NaN``/``Infinity`` while parsing, so :func:`check` can name its field."""
 
-    def __new__(cls, literal: str) -> "_NonFinite":
+    def __new__(cls, literal: str) -> _NonFinite:
         obj = super().__new__(cls, float(literal))
         obj.literal = literal  # type: ignore[attr-defined]
         return obj

@@ -28,7 +28,7 @@ import re
 import secrets
 import sys
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the parser is built on every CLI call: SQLAlchemy is imported only when used
@@ -89,7 +89,7 @@ class KeyInfo:
     rate_limit_rpm: int | None
 
     @classmethod
-    def of(cls, row: ApiKey) -> "KeyInfo":
+    def of(cls, row: ApiKey) -> KeyInfo:
         return cls(row.key_id, row.tenant, row.role, row.name, row.created_at, row.revoked_at, row.rate_limit_rpm)
 
     def as_json(self) -> dict[str, Any]:
@@ -126,7 +126,7 @@ def create_key(
         role=role,
         key_sha256=key_hash(key),
         name=name,
-        created_at=datetime.now(timezone.utc),
+        created_at=datetime.now(UTC),
         revoked_at=None,
         rate_limit_rpm=rpm,
     )
@@ -159,7 +159,7 @@ def revoke_key(sessions: sessionmaker[Session], key_id: str) -> KeyInfo | None:
         if row is None:
             return None
         if row.revoked_at is None:
-            row.revoked_at = datetime.now(timezone.utc)
+            row.revoked_at = datetime.now(UTC)
             session.commit()
         return KeyInfo.of(row)
 

@@ -11,8 +11,8 @@ Two steps, both taken by a process's entry point (``launch.cli.main``) before an
   its libraries create: SQLite's ``-wal`` and ``-shm`` files, torch checkpoints, the bus log's
   explicit ``0644`` opens. Child processes (``flywheel up``'s roles) inherit it.
 - :func:`make_private` makes the data directory itself ``0700``: created so when asked to (``flywheel
-  up`` prepares it before any role starts), and tightened when it already exists (made by hand or by an earlier version), which also puts what an
-  earlier run left in it out of other users' reach.
+  up`` prepares it before any role starts), and tightened when it already exists (made by hand or
+  by an earlier version), which also puts what an earlier run left in it out of other users' reach.
 
 Invariants: nothing here loosens a mode; a folder is chmod-ed only when it belongs to the running
 user and is not a shared sticky folder such as ``/tmp`` (:func:`chmod_refusal`); one that cannot be

@@ -27,7 +27,6 @@ from urllib.parse import unquote
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-
 # Secrets ---------------------------------------------------------------------------------------
 
 #: Query parameters of a URL whose values are secrets (libpq takes ``?password=``, for example).
@@ -96,7 +95,7 @@ _URL_FIELDS = {("db", "url"), ("live", "redis_url"), ("store", "endpoint_url"), 
                ("node", "vllm_url"), ("node", "url")}
 
 
-def redacted(settings: "Settings") -> dict[str, Any]:
+def redacted(settings: Settings) -> dict[str, Any]:
     """The settings as JSON-ready data with every secret shown as ``***`` (``flywheel settings``)."""
     data = settings.model_dump(mode="json")
     for section, key in _SECRET_FIELDS:
@@ -279,7 +278,7 @@ class NodeSettings(_Section):
     simulated_latency_s: float = Field(0.0, ge=0, le=60)
 
     @model_validator(mode="after")
-    def _vllm_needs_a_url(self) -> "NodeSettings":
+    def _vllm_needs_a_url(self) -> NodeSettings:
         if self.engine == "vllm" and not self.vllm_url:
             raise ValueError("node.engine = 'vllm' needs node.vllm_url")
         if self.vllm_mode == "lora" and self.engine != "vllm":
@@ -305,7 +304,7 @@ class IngestSettings(_Section):
     cache_tokens: int = Field(2_000_000, ge=0)
 
     @model_validator(mode="after")
-    def _orphans_after_inactivity(self) -> "IngestSettings":
+    def _orphans_after_inactivity(self) -> IngestSettings:
         if self.orphan_timeout_s is not None and self.orphan_timeout_s < self.inactivity_timeout_s:
             raise ValueError("ingest.orphan_timeout_s must be at least ingest.inactivity_timeout_s")
         return self
@@ -392,7 +391,7 @@ class TrainerSettings(_Section):
     require_stored: bool = True
 
     @model_validator(mode="after")
-    def _adapters_need_lora(self) -> "TrainerSettings":
+    def _adapters_need_lora(self) -> TrainerSettings:
         if self.lora_publish == "adapter" and self.lora_rank == 0:
             raise ValueError("trainer.lora_publish = 'adapter' needs trainer.lora_rank > 0")
         return self
@@ -464,7 +463,7 @@ class Settings(BaseSettings):
         return (env_settings, init_settings) if _READ_ENV.get() else (init_settings,)
 
     @model_validator(mode="after")
-    def _check(self) -> "Settings":
+    def _check(self) -> Settings:
         if self.bus.heartbeat_interval_ms * 3 > self.bus.session_timeout_ms:
             raise ValueError("bus.heartbeat_interval_ms must be at most a third of bus.session_timeout_ms")
         return self

@@ -18,7 +18,8 @@ import logging
 import signal
 import sys
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from flywheel.health import ROLES as HEALTH_ROLES
 from flywheel.private import make_private, private_umask

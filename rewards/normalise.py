@@ -53,7 +53,7 @@ class RunningStats:
         self.mean += alpha * delta
         self.var = (1.0 - alpha) * (self.var + alpha * delta * delta)
 
-    def copy(self) -> "RunningStats":
+    def copy(self) -> RunningStats:
         return RunningStats(self.count, self.mean, self.var)
 
 
@@ -76,7 +76,9 @@ class Normaliser:
         self._groups.clear()
         self._running.clear()
 
-    def baseline(self, tenant: str, model_line: str, prompt_key: str | None, turn_rewards: Sequence[float]) -> tuple[float, float, str]:
+    def baseline(
+        self, tenant: str, model_line: str, prompt_key: str | None, turn_rewards: Sequence[float]
+    ) -> tuple[float, float, str]:
         """``(mean, std, source)`` for a sample, ``source`` being ``group`` or ``running``; no state changes."""
         group = self._groups.get((tenant, model_line, prompt_key)) if prompt_key is not None else None
         if group is not None and len(group) >= self.spec.group_min:

@@ -21,7 +21,7 @@ import json
 import tomllib
 from importlib import resources
 from pathlib import Path
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -49,7 +49,7 @@ class ExplicitParams(_Strict):
     rating_max: float = 5.0
 
     @model_validator(mode="after")
-    def _range(self) -> "ExplicitParams":
+    def _range(self) -> ExplicitParams:
         if self.rating_max <= self.rating_min:
             raise ValueError("rating_max must be above rating_min")
         return self
@@ -103,7 +103,7 @@ class JudgeParams(_Strict):
     on_error: Literal["raise", "zero"] = "raise"
 
     @model_validator(mode="after")
-    def _range(self) -> "JudgeParams":
+    def _range(self) -> JudgeParams:
         if self.max_score <= self.min_score:
             raise ValueError("max_score must be above min_score")
         return self
@@ -156,7 +156,7 @@ class CustomBuilder(_Builder):
     params: dict[str, Any] = Field(default_factory=dict)
 
     @model_validator(mode="after")
-    def _one_reference(self) -> "CustomBuilder":
+    def _one_reference(self) -> CustomBuilder:
         if bool(self.entry_point) == bool(self.target):
             raise ValueError("a custom builder names exactly one of entry_point or target")
         if self.target and ":" not in self.target:
@@ -165,7 +165,7 @@ class CustomBuilder(_Builder):
 
 
 BuilderSpec = Annotated[
-    Union[ExplicitBuilder, ImplicitBuilder, OutcomeBuilder, LengthBuilder, JudgeBuilder, CustomBuilder],
+    ExplicitBuilder | ImplicitBuilder | OutcomeBuilder | LengthBuilder | JudgeBuilder | CustomBuilder,
     Field(discriminator="kind"),
 ]
 
@@ -227,7 +227,7 @@ class RewardSpec(_Strict):
     normalise: NormaliseSpec = NormaliseSpec()
 
     @model_validator(mode="after")
-    def _some_builder_enabled(self) -> "RewardSpec":
+    def _some_builder_enabled(self) -> RewardSpec:
         if not any(b.enabled for b in self.builders):
             raise ValueError("no builder is enabled")
         return self

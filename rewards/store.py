@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 from sqlalchemy import delete, select, update
@@ -39,7 +39,7 @@ Deltas = dict[tuple[str, int], list[float]]
 
 
 def _now() -> datetime:
-    return datetime.now(timezone.utc)
+    return datetime.now(UTC)
 
 
 def register_spec(db: Session, spec: RewardSpec) -> None:
@@ -140,7 +140,7 @@ def stats_deltas(db: Session, spec_version: str, new: Sequence[ScoredTrajectory]
     for trajectory_id, revision, event_id in rows:
         by_traj[trajectory_id].append((revision, event_id))
     scored_of = {s.event_id: s for s in new}
-    for trajectory_id, revisions in by_traj.items():
+    for revisions in by_traj.values():
         after = max(revisions)
         old = [r for r in revisions if r[1] not in new_ids]
         before = max(old) if old else None
@@ -200,7 +200,8 @@ def rebuild_stats(db: Session, spec: RewardSpec, chunk: int = 500) -> None:
     deltas: Deltas = {}
     ids = sorted(row_id for _, row_id in newest.values())
     for start in range(0, len(ids), chunk):
-        for payload in db.scalars(select(ScoredTrajectoryRow.payload).where(ScoredTrajectoryRow.id.in_(ids[start : start + chunk]))):
+        chosen = ScoredTrajectoryRow.id.in_(ids[start : start + chunk])
+        for payload in db.scalars(select(ScoredTrajectoryRow.payload).where(chosen)):
             _add(deltas, contribution(payload), +1)
     db.execute(delete(RewardVersionStats).where(RewardVersionStats.reward_spec_version == spec.version))
     apply_stats(db, spec, deltas)

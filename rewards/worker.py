@@ -195,7 +195,8 @@ def run(settings: Settings, stop: threading.Event | None = None) -> None:
     consumer = bus.consumer(settings.group("rewards"), [source])
     producer = bus.producer()
     counters: Counter[str] = Counter()
-    heartbeat = Beat(settings, "rewards", counters=counters)  # `flywheel health rewards`: beats every turn and every scored trajectory
+    # `flywheel health rewards`: beats every turn and every scored trajectory
+    heartbeat = Beat(settings, "rewards", counters=counters)
     outages = OutageWait(settings.database_url, settings.db.wait_s)
     log.info("rewards scoring %s with spec %s (%s; normalisation restored from %d rows)",
              source, spec.version, spec.sha256[:12], restored)

@@ -81,17 +81,26 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from flywheel.events import VersionEvent
 from flywheel.health import Beat
 from flywheel.settings import RolloutSettings, Settings
 from flywheel.weights.registry import LinePinned, PinInfo, StatusChanged, VersionNotFound, WeightsError
 from serving.rollout_policy import (
-    LATENCY_SAMPLE_CAP, NEGATIVE_SIGNALS, GateResult, HeldOutRow, VersionSample, choose_candidate, held_out_gate,
-    judge_canary, parity_gate, previous_stable,
+    LATENCY_SAMPLE_CAP,
+    NEGATIVE_SIGNALS,
+    GateResult,
+    HeldOutRow,
+    VersionSample,
+    choose_candidate,
+    held_out_gate,
+    judge_canary,
+    parity_gate,
+    previous_stable,
 )
 
 log = logging.getLogger(__name__)
@@ -132,7 +141,8 @@ def held_out_rows(db: Any, model_line: str, versions: Sequence[int]) -> list[Hel
     """The ``reward_version_stats`` rows of ``versions``, newest reward spec version first."""
     from sqlalchemy import select
 
-    from flywheel.db.models import RewardSpecRow, RewardVersionStats as T
+    from flywheel.db.models import RewardSpecRow
+    from flywheel.db.models import RewardVersionStats as T
 
     query = (select(T.reward_spec_version, T.model_version, T.held_out_count, T.held_out_sum, T.flagged, T.flag_reason)
              .outerjoin(RewardSpecRow, RewardSpecRow.version == T.reward_spec_version)
@@ -145,7 +155,8 @@ def version_sample(db: Any, model_line: str, version: int, since: datetime) -> V
     """What ``version`` served since ``since`` (module docstring, step 2)."""
     from sqlalchemy import and_, distinct, func, or_, select
 
-    from flywheel.db.models import Feedback, Generation as G
+    from flywheel.db.models import Feedback
+    from flywheel.db.models import Generation as G
 
     served = and_(G.model_line == model_line, G.model_version == version, G.ts >= since)
     n = db.scalar(select(func.count()).select_from(G).where(served)) or 0

@@ -299,7 +299,7 @@ class Batch:
     advantages: torch.Tensor  # float32
     row_sample: torch.Tensor  # int64
 
-    def to(self, device: torch.device) -> "Batch":
+    def to(self, device: torch.device) -> Batch:
         """This batch on ``device`` (itself when it is there already)."""
         if self.tokens.device == device:
             return self

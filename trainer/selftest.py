@@ -23,8 +23,8 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from flywheel.events import ScoredTrajectory, Segment, Turn
-from flywheel.settings import TrainerSettings
 from flywheel.lm import export_state, load_model
+from flywheel.settings import TrainerSettings
 from trainer.buffer import sample_tokens
 from trainer.distributed import Dist, unwrap
 from trainer.step import micro_batches, train_step

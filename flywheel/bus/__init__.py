@@ -10,13 +10,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from flywheel.bus.base import (
-    Bus,
-    BusError,
-    Consumer,
     DLQ_ORIGIN_OFFSET,
     DLQ_ORIGIN_PARTITION,
     DLQ_ORIGIN_TOPIC,
     DLQ_REASON,
+    Bus,
+    BusError,
+    Consumer,
     Producer,
     Record,
     dlq_topic,
@@ -42,7 +42,7 @@ __all__ = [
 ]
 
 
-def make_bus(settings: "Settings") -> Bus:
+def make_bus(settings: Settings) -> Bus:
     """The bus ``settings`` asks for (``settings.bus.kind``)."""
     bus = settings.bus
     if bus.kind == "local":

@@ -32,11 +32,10 @@ Semantics, matching ``flywheel.bus.base``:
 from __future__ import annotations
 
 import logging
-from typing import Sequence
+from collections.abc import Sequence
 
 from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.admin import NewTopic
-from kafka.future import Future
 from kafka.errors import (
     CommitFailedError,
     KafkaError,
@@ -44,6 +43,7 @@ from kafka.errors import (
     RebalanceInProgressError,
     TopicAlreadyExistsError,
 )
+from kafka.future import Future
 from kafka.structs import OffsetAndMetadata
 
 from flywheel.bus.base import BusError, Record, dead_letter_headers, dlq_topic
@@ -100,7 +100,7 @@ class KafkaBus:
                 pass  # the goal state: it exists (with whatever count it was created with)
             self._known_topics.add(topic)
 
-    def producer(self, *, timeout_s: float | None = None) -> "KafkaBusProducer":
+    def producer(self, *, timeout_s: float | None = None) -> KafkaBusProducer:
         """An idempotent, acks=all producer; see the module docstring for ``timeout_s``."""
         bounds: dict[str, int] = {}
         if timeout_s is not None:
@@ -126,7 +126,7 @@ class KafkaBus:
             raise BusError(f"cannot create a producer for {self.bootstrap_servers}: {exc}") from exc
         return KafkaBusProducer(producer)
 
-    def consumer(self, group: str, topics: Sequence[str], client_id: str | None = None) -> "KafkaBusConsumer":
+    def consumer(self, group: str, topics: Sequence[str], client_id: str | None = None) -> KafkaBusConsumer:
         if not topics:
             raise ValueError("subscribe to at least one topic")
         consumer = KafkaConsumer(

@@ -50,9 +50,9 @@ import os
 import re
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
 
 from flywheel.bus.base import BusError, Record, dead_letter_headers, dlq_topic, partition_for_key
 from flywheel.bus.frames import CorruptLogError, encode_frame, fsync_dir, scan, try_lock, write_atomic
@@ -127,11 +127,11 @@ class LocalLogBus:
         for topic in topics:
             self.partition_count(topic, create=True)
 
-    def producer(self, *, timeout_s: float | None = None) -> "LocalLogProducer":
+    def producer(self, *, timeout_s: float | None = None) -> LocalLogProducer:
         """A producer; ``timeout_s`` is accepted for the interface (local files never wait on a peer)."""
         return LocalLogProducer(self)
 
-    def consumer(self, group: str, topics: Sequence[str], client_id: str | None = None) -> "LocalLogConsumer":
+    def consumer(self, group: str, topics: Sequence[str], client_id: str | None = None) -> LocalLogConsumer:
         return LocalLogConsumer(self, group, topics, client_id=client_id)
 
     def close(self) -> None:

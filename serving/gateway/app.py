@@ -21,7 +21,8 @@ Invariants:
 from __future__ import annotations
 
 import contextlib
-from typing import Any, AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry

@@ -19,8 +19,9 @@ either place is accepted for the prompt ids.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal, Mapping
+from typing import Any, Literal
 
 import orjson
 

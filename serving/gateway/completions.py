@@ -39,8 +39,9 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any
 
 import orjson
 from fastapi import Request
@@ -64,7 +65,8 @@ from serving.gateway.metrics import GatewayMetrics
 from serving.gateway.routing import Router, Upstream, as_line, new_session_version
 from serving.gateway.shipper import Capture, CaptureFull
 from serving.gateway.state import GatewayState, StateUnavailable
-from serving.gateway.upstream import Pool, Response as UpstreamResponse, UpstreamError
+from serving.gateway.upstream import Pool, UpstreamError
+from serving.gateway.upstream import Response as UpstreamResponse
 from serving.protocol import (
     GENERATION_HEADER,
     MODEL_VERSION_HEADER,

@@ -23,7 +23,8 @@ Invariants:
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import orjson
 from fastapi import Request

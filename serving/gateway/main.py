@@ -1,9 +1,9 @@
 """Entry point of the gateway role: build the app, serve until SIGTERM/SIGINT (or ``stop``), drain.
 
 Shutdown order (SIGTERM): uvicorn stops accepting connections, closes idle keep-alive ones and lets
-in-flight requests finish (streams included) for up to ``gateway.drain_timeout_s``; then the app's lifespan closes the capture, which
-ships what the bus takes within ``gateway.drain_timeout_s`` and ``fsync``s the rest of the spool
-for the next start (``serving/gateway/shipper.py``). No response is released without its event in
+in-flight requests finish (streams included) for up to ``gateway.drain_timeout_s``; then the app's
+lifespan closes the capture, which ships what the bus takes within ``gateway.drain_timeout_s`` and
+``fsync``s the rest of the spool for the next start (``serving/gateway/shipper.py``). No response is released without its event in
 the spool, so nothing a client received is lost however shutdown goes, kill -9 included.
 
 The bus producer is made by the capture's shipper thread, not here: a bus that is down at start-up

@@ -43,8 +43,9 @@ import hashlib
 import itertools
 import logging
 import time
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Mapping
+from typing import Any
 
 from sqlalchemy import select
 

@@ -41,13 +41,13 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from flywheel.bus import Producer
-from flywheel.bus import envelope
+from flywheel.bus import Producer, envelope
 from flywheel.settings import Settings
 from serving.gateway.spool import SEGMENT_BYTES, TOPIC_HEADER, Spool, SpoolClosed, Spooled
 

@@ -43,9 +43,9 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 from flywheel.bus.frames import encode_frame, fsync_dir, scan, try_lock, write_atomic
 

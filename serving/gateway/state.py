@@ -34,7 +34,8 @@ import json
 import math
 import time
 from collections import OrderedDict
-from typing import Any, Awaitable, Callable, Protocol, TypeVar
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol, TypeVar
 
 from flywheel.settings import Settings
 
@@ -286,7 +287,7 @@ T = TypeVar("T")
 
 def _guard(method: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
     @functools.wraps(method)
-    async def wrapper(self: "RedisState", *args: Any, **kwargs: Any) -> T:
+    async def wrapper(self: RedisState, *args: Any, **kwargs: Any) -> T:
         import redis
 
         try:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import ssl
 from collections import deque
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 from urllib.parse import urlsplit
 
 import httptools
@@ -33,7 +33,7 @@ class UpstreamError(Exception):
 
 
 class _Connection(asyncio.Protocol):
-    def __init__(self, pool: "Pool") -> None:
+    def __init__(self, pool: Pool) -> None:
         self.pool = pool
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpResponseParser(self)
@@ -231,7 +231,7 @@ class Pool:
                                        ssl=self._ssl if scheme == "https" else None),
                 timeout=max(0.001, deadline - loop.time()),
             )
-        except (OSError, asyncio.TimeoutError, ssl.SSLError) as exc:
+        except (TimeoutError, OSError, ssl.SSLError) as exc:
             raise UpstreamError(f"cannot connect to {scheme}://{hostname}:{port}: {type(exc).__name__}: {exc}") from None
         self._origin_of[connection] = origin
         return connection, False

@@ -48,12 +48,13 @@ import asyncio
 import ipaddress
 import time
 import uuid
-from typing import Any, AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any
 
 from fastapi import FastAPI, Request
-from jinja2 import TemplateError
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from jinja2 import TemplateError
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from flywheel.settings import Settings

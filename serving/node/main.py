@@ -59,12 +59,12 @@ def run(settings: Settings, stop: threading.Event | None = None) -> None:
         run_vllm(settings, stop)
         return
     model_path = settings.model.local_dir()  # before anything starts: an empty model.path is an error
+    import torch
+
     from serving.node.app import create_app
     from serving.node.engine import Engine
     from serving.node.updater import Updater, node_url
     from serving.server import serve
-
-    import torch
 
     torch.set_num_threads(settings.torch_threads)
     with contextlib.ExitStack() as cleanup:

@@ -42,7 +42,8 @@ import contextlib
 import json
 import math
 import threading
-from typing import Any, AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request

@@ -35,10 +35,11 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 from urllib.parse import quote, urlsplit
 
 import httpx
@@ -158,7 +159,7 @@ def stack(module_db: str, redis_url: str, tmp_path_factory: pytest.TempPathFacto
         with sessions() as db:  # versions admins may pin and promote (no weights: routing only)
             db.add_all(ModelVersion(model_line=settings.model.line, version=v, kind="full", parent=None,
                                     sha256="0" * 64, store_key=f"{settings.model.line}/v{v}", bytes=1,
-                                    full_bytes=1, status="candidate", created_at=datetime.now(timezone.utc))
+                                    full_bytes=1, status="candidate", created_at=datetime.now(UTC))
                        for v in range(10))
             db.commit()
             tables = set(inspect(engine).get_table_names())
@@ -407,7 +408,7 @@ def traversal(tmp_path: Path, stack: Stack) -> Iterator[tuple[Path, Path, Any]]:
     absolute = str(outside / "secret")
     with stack.sessions() as db:
         db.add_all(ModelVersion(model_line=line, version=v, kind="full", parent=None, sha256="0" * 64, store_key=key,
-                                bytes=1, full_bytes=1, status="retired", created_at=datetime.now(timezone.utc))
+                                bytes=1, full_bytes=1, status="retired", created_at=datetime.now(UTC))
                    for v, key in enumerate([*FORGED_KEYS, absolute]))
         db.commit()
     yield root, outside, line
@@ -467,7 +468,7 @@ def test_a_forged_store_key_cannot_reach_another_prefix_in_s3(stack: Stack, s3, 
             "%2e%2e/team-b/line/v1.full", "..\\team-b\\line\\v1.full"]
     with stack.sessions() as db:
         db.add_all(ModelVersion(model_line=line, version=v, kind="full", parent=None, sha256="0" * 64, store_key=key,
-                                bytes=1, full_bytes=1, status="retired", created_at=datetime.now(timezone.utc))
+                                bytes=1, full_bytes=1, status="retired", created_at=datetime.now(UTC))
                    for v, key in enumerate(keys))
         db.commit()
     registry = Registry(stack.sessions, S3Store(BUCKET, "team-a/", endpoint_url=s3_endpoint), line)
@@ -928,7 +929,7 @@ async def _slow(address: tuple[str, int], head: bytes, trickle: bytes, every_s: 
                     i += 1
             try:
                 data = await asyncio.wait_for(reader.read(65536), every_s)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 continue
             except ConnectionError:
                 return loop.time() - start, received

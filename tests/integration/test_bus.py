@@ -13,7 +13,8 @@ import threading
 import time
 import uuid
 from collections import defaultdict
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 

@@ -30,10 +30,11 @@ import threading
 import time
 import uuid
 from collections import defaultdict
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import httpx
 import pytest
@@ -80,7 +81,7 @@ class GatewayProcess:
         self.env = env
         self.proc: subprocess.Popen[bytes] | None = None
 
-    def start(self) -> "GatewayProcess":
+    def start(self) -> GatewayProcess:
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "launch.cli", "gateway", "--port", str(self.port),
@@ -160,7 +161,7 @@ class Load:
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._work, args=(w,), daemon=True) for w in range(workers)]
 
-    def __enter__(self) -> "Load":
+    def __enter__(self) -> Load:
         for thread in self._threads:
             thread.start()
         return self
@@ -231,7 +232,7 @@ def read_generations(bootstrap: str, topic: str, timeout_s: float = 60) -> list[
         deadline = time.monotonic() + timeout_s
         while any(consumer.position(tp) < end[tp] for tp in tps):
             assert time.monotonic() < deadline, f"could not read {topic} to its end offsets {end}"
-            for tp, messages in consumer.poll(timeout_ms=500).items():
+            for messages in consumer.poll(timeout_ms=500).values():
                 for m in messages:
                     headers = {k: v.decode() for k, v in m.headers or []}
                     record = Record(m.topic, m.partition, m.offset, m.key and m.key.decode(), m.value, headers)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import multiprocessing
 import random
 import uuid
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta, timezone
 
 import pytest
 import sqlalchemy as sa
@@ -72,7 +72,7 @@ def _generation(rng: random.Random, **overrides) -> dict:
         "model_line": "tiny-sim",
         "model_version": rng.randrange(100),
         "node_id": "node-0",
-        "ts": datetime.now(timezone.utc),
+        "ts": datetime.now(UTC),
         "payload": {"tokens": [rng.randrange(50_000) for _ in range(rng.randrange(1, 20))], "text": "héllo"},
     }
     row.update(overrides)
@@ -157,7 +157,7 @@ def test_insert_ignore_is_idempotent(migrated_db_url):
 def test_insert_ignore_honours_every_unique_key_and_defaults(migrated_db_url):
     engine = make_engine(migrated_db_url)
     sessions = make_session_factory(engine)
-    now = datetime.now(timezone.utc)
+    now = datetime.now(UTC)
     base = {
         "feedback_id": "fb-1",
         "tenant": "t1",
@@ -213,7 +213,7 @@ def test_timestamps_are_utc_and_aware(migrated_db_url):
             assert a.last_event_at.utcoffset() == timedelta(0)
             assert a.closed_at is None
             # Ordering and filtering are by instant, on both databases.
-            cutoff = datetime(2024, 5, 6, 12, 38, 30, tzinfo=timezone.utc)  # between a and b in UTC
+            cutoff = datetime(2024, 5, 6, 12, 38, 30, tzinfo=UTC)  # between a and b in UTC
             assert s.scalars(select(SessionState.session_id).where(SessionState.last_event_at > cutoff)).all() == ["b"]
         with sessions() as s:
             s.add(SessionState(tenant="t", session_id="c", status="open", last_event_at=datetime(2024, 1, 1), revision=0))
@@ -265,7 +265,7 @@ def _hammer(url: str, worker: int, n: int, barrier, errors) -> None:
                 # updates) unless transactions take the write lock when they begin.
                 state = s.get(SessionState, ("t", "shared"))
                 state.revision += 1
-                state.last_event_at = datetime.now(timezone.utc)
+                state.last_event_at = datetime.now(UTC)
                 row = _generation(rng, event_id=f"w{worker}-{i}", generation_id=f"w{worker}-{i}")
                 assert insert_ignore(s, Generation, [row]) == 1
                 s.commit()
@@ -280,7 +280,7 @@ def test_sqlite_concurrent_processes(sqlite_url):
     engine = make_engine(sqlite_url)
     sessions = make_session_factory(engine)
     with sessions() as s:
-        s.add(SessionState(tenant="t", session_id="shared", last_event_at=datetime.now(timezone.utc), revision=0))
+        s.add(SessionState(tenant="t", session_id="shared", last_event_at=datetime.now(UTC), revision=0))
         s.commit()
 
     ctx = multiprocessing.get_context("spawn")

@@ -36,14 +36,27 @@ from sqlalchemy.exc import DBAPIError
 
 from flywheel.db.models import Generation, ScoredTrajectoryRow
 from flywheel.db.session import (
-    DatabaseUnavailable, OutageWait, is_db_outage, make_engine, outage_reason, upgrade,
+    DatabaseUnavailable,
+    OutageWait,
+    is_db_outage,
+    make_engine,
+    outage_reason,
+    upgrade,
 )
 from flywheel.events import GenerationEvent
 from flywheel.settings import Settings, load_settings
 from ingest.assemble import assemble
 from tests.fixtures.kafka import kafka_test_settings, local_test_settings
 from tests.fixtures.traffic import (
-    FAST_KAFKA_GROUPS, RoleProcess, check_pipeline, count, make_traffic, produce, scored_on_bus, settled, wait_for,
+    FAST_KAFKA_GROUPS,
+    RoleProcess,
+    check_pipeline,
+    count,
+    make_traffic,
+    produce,
+    scored_on_bus,
+    settled,
+    wait_for,
     write_config,
 )
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import httpx
 import pytest
@@ -55,7 +55,7 @@ def test_a_session_waits_for_its_node_to_load_a_promoted_version(tmp_path, sqlit
     with make_session_factory(engine)() as s:  # v1 was just promoted: the registry says stable
         s.add_all(ModelVersion(model_line=settings.model.line, version=v, kind="full", parent=None, sha256="0" * 64,
                                store_key=f"v{v}", bytes=1, full_bytes=1, status=status,
-                               created_at=datetime.now(timezone.utc)) for v, status in ((0, "retired"), (1, "stable")))
+                               created_at=datetime.now(UTC)) for v, status in ((0, "retired"), (1, "stable")))
         s.commit()
     sock = bind("127.0.0.1", 0)
     stop, ready = threading.Event(), threading.Event()

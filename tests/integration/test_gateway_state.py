@@ -6,8 +6,9 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from datetime import datetime, timezone
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime
+from typing import Any
 
 import pytest
 
@@ -271,7 +272,7 @@ def _store_generation(sessions, tenant: str, session_id: str) -> str:
     with sessions() as s:
         s.add(Generation(event_id=_id(), generation_id=generation_id, tenant=tenant, session_id=session_id,
                          model_line="tiny-sim", model_version=1, node_id="node-0",
-                         ts=datetime.now(timezone.utc), payload={}))
+                         ts=datetime.now(UTC), payload={}))
         s.commit()
     return generation_id
 
@@ -323,7 +324,7 @@ def test_session_ownership_live_and_from_the_database(stack):
     _store_generation(sessions, "acme", gen_session)
     with sessions() as s:
         s.add(SessionState(tenant="acme", session_id=closed_session, status="closed",
-                           last_event_at=datetime.now(timezone.utc), closed_at=datetime.now(timezone.utc)))
+                           last_event_at=datetime.now(UTC), closed_at=datetime.now(UTC)))
         s.commit()
 
     async def body(state) -> None:

@@ -26,8 +26,19 @@ from flywheel.settings import Settings, load_settings
 from ingest.worker import Ingestor
 from tests.fixtures.kafka import kafka_test_settings, local_test_settings
 from tests.fixtures.traffic import (
-    FAST_KAFKA_GROUPS_IN_PROCESS, SessionTraffic, all_events, check_pipeline, count, db_snapshot, feedback, generation,
-    make_traffic, produce, read_topic, topic_size, wait_for,
+    FAST_KAFKA_GROUPS_IN_PROCESS,
+    SessionTraffic,
+    all_events,
+    check_pipeline,
+    count,
+    db_snapshot,
+    feedback,
+    generation,
+    make_traffic,
+    produce,
+    read_topic,
+    topic_size,
+    wait_for,
 )
 
 pytestmark = pytest.mark.integration

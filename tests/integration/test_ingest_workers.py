@@ -38,14 +38,25 @@ from sqlalchemy import text
 from sqlalchemy.engine import make_url
 
 from flywheel.db.models import Feedback, Generation
-from flywheel.events import GenerationEvent
 from flywheel.db.session import make_engine, upgrade
+from flywheel.events import GenerationEvent
 from flywheel.settings import Settings, load_settings
 from testbed.broker import start_tansu
 from tests.fixtures.kafka import kafka_test_settings, local_test_settings
 from tests.fixtures.traffic import (
-    FAST_KAFKA_GROUPS, RoleProcess, SessionTraffic, check_pipeline, count, make_traffic, produce, read_topic,
-    scored_on_bus, settled, stored, wait_for, write_config,
+    FAST_KAFKA_GROUPS,
+    RoleProcess,
+    SessionTraffic,
+    check_pipeline,
+    count,
+    make_traffic,
+    produce,
+    read_topic,
+    scored_on_bus,
+    settled,
+    stored,
+    wait_for,
+    write_config,
 )
 
 pytestmark = pytest.mark.integration

@@ -5,7 +5,7 @@ exception classes. The stack is the one test_streaming.py runs (node + gateway, 
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import openai
 import pytest

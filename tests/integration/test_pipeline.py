@@ -23,8 +23,15 @@ from sqlalchemy import func, select
 from flywheel.bus import DLQ_REASON, Record, dlq_topic, make_bus
 from flywheel.db.models import Feedback, Generation, ScoredTrajectoryRow, SessionState, Trajectory
 from flywheel.db.session import make_engine, make_session_factory, upgrade
-from flywheel.events import FeedbackEvent, GenerationEvent, SamplingParams, ScoredTrajectory, TrajectoryEvent
-from flywheel.events import feedback_event_id, new_id
+from flywheel.events import (
+    FeedbackEvent,
+    GenerationEvent,
+    SamplingParams,
+    ScoredTrajectory,
+    TrajectoryEvent,
+    feedback_event_id,
+    new_id,
+)
 from flywheel.settings import Settings, load_settings
 from flywheel.weights.codec.state import state_sha256
 from flywheel.weights.registry import Registry
@@ -48,8 +55,8 @@ class Traffic:
 @pytest.fixture(scope="module")
 def traffic(tiny_model_dir: Path) -> Traffic:
     """Eight sessions served by the quick model: half solved (thumbs up), half retried then abandoned."""
-    from flywheel.lm import chat_prompt_ids, completion_text, generate, load_model
     from demo.tinymodel.task import RETRY_MESSAGE, traffic_problem, user_message
+    from flywheel.lm import chat_prompt_ids, completion_text, generate, load_model
 
     model, tok = load_model(tiny_model_dir)
     rng = random.Random(7)

@@ -28,8 +28,15 @@ from flywheel.bus.base import DLQ_ORIGIN_OFFSET, DLQ_ORIGIN_TOPIC
 from flywheel.db.models import Feedback, Generation, ScoredTrajectoryRow
 from flywheel.db.session import make_engine, make_session_factory, upgrade
 from flywheel.events import (
-    FeedbackEvent, GenerationEvent, SamplingParams, ScoredTrajectory, Segment, TrajectoryEvent, Turn,
-    feedback_event_id, new_id,
+    FeedbackEvent,
+    GenerationEvent,
+    SamplingParams,
+    ScoredTrajectory,
+    Segment,
+    TrajectoryEvent,
+    Turn,
+    feedback_event_id,
+    new_id,
 )
 from flywheel.settings import Settings
 from ingest.assemble import trajectory_id_for

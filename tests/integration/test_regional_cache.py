@@ -5,10 +5,10 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
+import pytest
+
 from flywheel.settings import load_settings
 from flywheel.weights.store import FolderStore, ObjectNotFound, RegionalCache, make_store
-
-import pytest
 
 
 class CountingOrigin(FolderStore):

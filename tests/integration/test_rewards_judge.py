@@ -7,7 +7,7 @@ import json
 import re
 import threading
 from collections.abc import Iterator
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -120,7 +120,7 @@ def test_judge_grades_sessions_from_stored_generations(tmp_path: Path, sqlite_ur
         insert_ignore(db, Generation, [
             {"event_id": g.event_id, "generation_id": g.generation_id, "tenant": g.tenant, "session_id": g.session_id,
              "model_line": g.model_line, "model_version": g.model_version, "node_id": g.node_id,
-             "ts": datetime.now(timezone.utc), "payload": g.model_dump(mode="json")}
+             "ts": datetime.now(UTC), "payload": g.model_dump(mode="json")}
             for g in right_gens + wrong_gens
         ])
     scorer = Scorer(judge_spec(tmp_path, judge_server.url), transcripts=DbTranscripts(sessions), judge_api_key=KEY)

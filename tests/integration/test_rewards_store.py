@@ -8,7 +8,7 @@ import json
 import threading
 import time
 from collections import Counter
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -72,7 +72,7 @@ def trajectory(session_id: str, version: int, solved: bool, *, revision: int = 0
                 else [fb("explicit", "thumbs", -1, gid), fb("implicit", "abandon", None)])
     return TrajectoryEvent(tenant=TENANT, session_id=session_id, trajectory_id=f"traj-{session_id}", revision=revision,
                            model_line=LINE, segments=[seg], generation_ids=[gid], feedback=feedback + list(extra),
-                           closed_reason="outcome", prompt_key=prompt, ts=datetime(2025, 1, 1, tzinfo=timezone.utc))
+                           closed_reason="outcome", prompt_key=prompt, ts=datetime(2025, 1, 1, tzinfo=UTC))
 
 
 def settings_for(tmp_path: Path, db_url: str, spec_path: Path) -> Settings:

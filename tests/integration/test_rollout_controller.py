@@ -16,14 +16,22 @@ from pathlib import Path
 
 import pytest
 
-from launch.cli import build_parser, dispatch
 from flywheel.db.models import Feedback, Generation, Node, RewardSpecRow, RewardVersionStats
 from flywheel.events import VersionEvent
 from flywheel.settings import RolloutSettings, load_settings
 from flywheel.weights.registry import Registry
 from flywheel.weights.store import FolderStore
+from launch.cli import build_parser, dispatch
 from serving.rollout import (
-    NODE_FRESH_S, Pinned, RolloutError, manual_pin, manual_promote, manual_rollback, manual_unpin, step, tick,
+    NODE_FRESH_S,
+    Pinned,
+    RolloutError,
+    manual_pin,
+    manual_promote,
+    manual_rollback,
+    manual_unpin,
+    step,
+    tick,
 )
 from tests.integration.test_registry import make_state, train_step
 

@@ -13,9 +13,10 @@ import json
 import math
 import threading
 import uuid
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, AsyncIterator, Iterator
+from typing import Any
 
 import httpx
 import pytest
@@ -76,7 +77,8 @@ def running_stack(data_dir: Path, model_dir: Path, *, node: bool = True, **gatew
         gateway={"port": free_port(), **gateway},
     )
     stop = threading.Event()
-    roles = [RoleThread("gateway", run_gateway, settings, stop)] + ([RoleThread("node", run_node, settings, stop)] if node else [])
+    roles = [RoleThread("gateway", run_gateway, settings, stop)]
+    roles += [RoleThread("node", run_node, settings, stop)] if node else []
     bus = make_bus(settings)
     node_url = f"http://127.0.0.1:{settings.node.port}"
     gateway_url = f"http://127.0.0.1:{settings.gateway.port}"

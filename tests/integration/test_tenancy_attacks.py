@@ -10,10 +10,11 @@ import json
 import logging
 import threading
 import uuid
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
-from typing import Any, Iterator
+from datetime import UTC, datetime
+from typing import Any
 
 import httpx
 import pytest
@@ -134,7 +135,7 @@ def env(request: pytest.FixtureRequest, tmp_path, caplog) -> Iterator[Env]:
         with sessions() as session:  # versions admins may pin (candidates: routing still has no stable)
             session.add_all(ModelVersion(model_line=settings.model.line, version=v, kind="full", parent=None,
                                          sha256="0" * 64, store_key=f"v{v}", bytes=1, full_bytes=1,
-                                         status="candidate", created_at=datetime.now(timezone.utc))
+                                         status="candidate", created_at=datetime.now(UTC))
                             for v in range(10))
             session.commit()
         sock = bind("127.0.0.1", 0)
@@ -189,7 +190,7 @@ def test_feedback_on_another_tenants_generation_or_session_is_404_and_never_capt
         with env.sessions() as s:
             s.add(Generation(event_id=uuid.uuid4().hex, generation_id=archived, tenant="acme",
                              session_id=archived_session, model_line="tiny-sim", model_version=1, node_id="n",
-                             ts=datetime.now(timezone.utc), payload={}))
+                             ts=datetime.now(UTC), payload={}))
             s.commit()
         missing = uuid.uuid4().hex
 

@@ -101,7 +101,11 @@ def test_the_trainer_loop_under_torchrun_trains_like_one_process(tiny_model_dir:
     import time
 
     from tests.integration.test_trainer_durability import (
-        make_settings, registry_for, scored_trajectories, send, trained_ids,
+        make_settings,
+        registry_for,
+        scored_trajectories,
+        send,
+        trained_ids,
     )
 
     samples = scored_trajectories(tiny_model_dir, 16, seed=3)

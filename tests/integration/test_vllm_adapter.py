@@ -8,7 +8,6 @@ import random
 import threading
 import time
 from pathlib import Path
-
 from typing import Any
 
 import httpx
@@ -318,8 +317,8 @@ def test_the_trainers_adapter_versions_load_into_vllm(sessions, tmp_path: Path, 
     zero adapter has exactly the trainer's names, shapes and dtype."""
     import copy
 
-    from flywheel.settings import TrainerSettings
     from flywheel.lm import load_model
+    from flywheel.settings import TrainerSettings
     from serving.node.vllm_adapter import zero_adapter_state
     from trainer.policy import Policy
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import pytest
 
@@ -11,7 +11,7 @@ from ingest.assemble import assemble, prompt_key_of, trajectory_event_id, trajec
 
 pytestmark = pytest.mark.unit
 
-T0 = datetime(2025, 1, 1, 12, 0, tzinfo=timezone.utc)
+T0 = datetime(2025, 1, 1, 12, 0, tzinfo=UTC)
 
 
 def gen(gid: str, prompt: list[int], completion: list[int], logprobs: list[float], *, at: int, version: int = 3,

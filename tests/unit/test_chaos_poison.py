@@ -15,8 +15,18 @@ from typing import Any
 
 import pytest
 
-from chaos.invariants import (DEAD_LETTER, STORED_UNJOINED, DeadLetter, FeedbackRow, PoisonRecord, Snapshot,
-                              TrajectoryRow, check_poison, check_trajectories, dead_letter_reasons)
+from chaos.invariants import (
+    DEAD_LETTER,
+    STORED_UNJOINED,
+    DeadLetter,
+    FeedbackRow,
+    PoisonRecord,
+    Snapshot,
+    TrajectoryRow,
+    check_poison,
+    check_trajectories,
+    dead_letter_reasons,
+)
 from chaos.poison import HEADER, RULES, TOPICS, bus_poison
 from chaos.users import ClientLog
 from flywheel.bus.envelope import encode

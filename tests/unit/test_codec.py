@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import random
 import subprocess
 import sys
@@ -42,14 +41,6 @@ SPECIALS = {  # the same patterns as the signed integers that torch's int views 
     dtype: [_signed(v, 8 * torch.empty((), dtype=dtype).element_size()) for v in values]
     for dtype, values in _SPECIAL_BITS.items()
 }
-
-
-@pytest.fixture
-def rng() -> random.Random:
-    """A fresh seed every run; printed so a failure can be replayed."""
-    seed = random.SystemRandom().getrandbits(32)
-    print(f"codec test seed: {seed}")
-    return random.Random(seed)
 
 
 def gen(rng: random.Random) -> torch.Generator:
@@ -418,7 +409,7 @@ def test_rice_cost_is_near_the_geometric_entropy(rng: random.Random) -> None:
     assert 8 * (len(unary) + len(low)) / gaps.size < entropy * 1.03
 
 
-def _context_pair(rng: random.Random, n: int, dtype: torch.dtype) -> tuple[dict, dict]:
+def context_pair(rng: random.Random, n: int, dtype: torch.dtype) -> tuple[dict, dict]:
     """Old weights of widely varying magnitude; small ones change far more often (as under Adam)."""
     g = gen(rng)
     old = (torch.randn(n, generator=g) * torch.exp2(torch.randint(-14, 2, (n,), generator=g).float())).to(dtype)
@@ -432,7 +423,7 @@ def _context_pair(rng: random.Random, n: int, dtype: torch.dtype) -> tuple[dict,
 
 @pytest.mark.parametrize("dtype", FLOATS)
 def test_magnitude_classes_round_trip_and_pay_off(rng: random.Random, dtype: torch.dtype) -> None:
-    old, new = _context_pair(rng, 200_000, dtype)
+    old, new = context_pair(rng, 200_000, dtype)
     delta = encode_delta(old, new)
     entry = read_delta_header(delta)[0].tensors[0]
     assert entry["scheme"] == "sparse" and len(entry["classes"]) >= 1
@@ -453,7 +444,7 @@ def test_sparse_edge_cases_round_trip(rng: random.Random) -> None:
         "all": list(range(n)),
         "ends": [0, 1, n - 2, n - 1],
     }
-    for name, positions in cases.items():
+    for positions in cases.values():
         nb = b.clone()
         nb[torch.tensor(positions)] += 1
         new = {"w": nb.view(torch.bfloat16), "one": torch.tensor([1.5], dtype=torch.bfloat16)}
@@ -465,7 +456,7 @@ def test_sparse_edge_cases_round_trip(rng: random.Random) -> None:
 
 
 def test_bad_class_entries_are_refused(rng: random.Random) -> None:
-    old, new = _context_pair(rng, 50_000, torch.bfloat16)
+    old, new = context_pair(rng, 50_000, torch.bfloat16)
     delta = encode_delta(old, new)
     _, offset = read_delta_header(delta)
     for key, value in [("classes", [5, 3]), ("classes", [0]), ("counts", [1, 2]), ("rice", [70] * 3),

@@ -21,17 +21,16 @@ from flywheel.weights.codec.classes import SAMPLE_BLOCK, SAMPLE_BLOCKS
 from flywheel.weights.codec.container import read_delta_header
 from flywheel.weights.codec.delta import apply_delta, encode_delta, resolve_device
 from flywheel.weights.codec.stats import delta_stats
-from tests.unit.test_codec import (  # noqa: F401  (rng is a fixture)
+from tests.unit.test_codec import (
     FLOATS,
     SPECIALS,
-    _context_pair,
-    change_a_tenth,
     assert_same,
     bits,
+    change_a_tenth,
+    context_pair,
     gen,
     perturb,
     random_state,
-    rng,
 )
 
 pytestmark = pytest.mark.unit
@@ -89,7 +88,7 @@ def assert_same_delta(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor]
 
 def three_rate_pair(rng: random.Random, n: int, dtype: torch.dtype) -> tuple[dict, dict]:
     """Small, middling and large weights moving at three different rates: three classes (as
-    :func:`_context_pair`, which makes two)."""
+    :func:`context_pair`, which makes two)."""
     g = gen(rng)
     old = (torch.randn(n, generator=g) * 0.02).to(dtype)
     magnitude = old.float().abs()
@@ -131,7 +130,7 @@ def test_changes_match_the_kernels_with_magnitude_classes(rng: random.Random, de
                                                           dtype: torch.dtype) -> None:
     # 32 sampled blocks and a short tail: the threshold sample takes a partial last block.
     n = SAMPLE_BLOCK * SAMPLE_BLOCKS * 6 + rng.randrange(1, SAMPLE_BLOCK)
-    for make, classes in ((_context_pair, 2), (three_rate_pair, 3)):
+    for make, classes in ((context_pair, 2), (three_rate_pair, 3)):
         old, new = make(rng, n, dtype)
         found = assert_same_changes(old["w"], new["w"], device)
         assert len(found.thresholds) + 1 == classes  # the case this is for

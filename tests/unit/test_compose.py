@@ -223,7 +223,8 @@ def test_every_address_a_role_is_given_is_a_service_listening_there(name, monkey
     for address in addresses:
         url = urlsplit(address)
         assert url.hostname in SERVICES, f"{name} is pointed at {address}: no such service"
-        assert url.port == listens(url.hostname), f"{name} is pointed at {address}: {url.hostname} listens on {listens(url.hostname)}"
+        port = listens(url.hostname)
+        assert url.port == port, f"{name} is pointed at {address}: {url.hostname} listens on {port}"
         target = SERVICES[url.hostname]
         assert set(target.get("profiles", [])) <= set(SERVICES[name].get("profiles", [])), (
             f"{name} needs {url.hostname}, which runs only with profile(s) {target['profiles']}")

@@ -297,8 +297,8 @@ def test_the_poison_pill_request_is_a_400_naming_the_field(client, bus, settings
     """The exact request that once stopped ingest for every tenant: an integer of 4,000 digits in
     feedback ``data``. Then NaN/Infinity in every free-form field, and repeated keys."""
     generation = _chat(client, "s-p")
-    raw = ('{"feedback_id":"d-bigint2","generation_id":"%s","kind":"custom","signal":"x","data":{"a":%s}}'
-           % (generation, BIG)).encode()
+    raw = (f'{{"feedback_id":"d-bigint2","generation_id":"{generation}","kind":"custom","signal":"x",'
+           f'"data":{{"a":{BIG}}}}}').encode()
     settings_limit = settings.gateway.max_body_bytes
     assert len(raw) > settings_limit  # this fixture's body limit is small: send it where it fits
     with TestClient(create_app(settings.model_copy(update={
@@ -412,8 +412,8 @@ _json_values = st.recursive(_scalars, lambda inner: st.lists(inner, max_size=4)
 @given(value=_json_values, where=st.sampled_from(["extra", "logit_bias", "metadata", "data", "tool_args"]))
 def test_any_json_in_a_free_form_field_is_refused_or_readable_by_every_consumer(hyp_client, value, where):
     from flywheel.db.session import json_dumps
-    from flywheel.jsonpolicy import db_loads
     from flywheel.events import GenerationEvent
+    from flywheel.jsonpolicy import db_loads
 
     client, capture = hyp_client
     if where == "data":

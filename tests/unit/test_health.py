@@ -23,7 +23,8 @@ def settings(tmp_path):
 
 
 def test_a_beat_writes_this_hosts_file_and_check_reads_it(settings):
-    assert check(settings, "ingest", 5) == (False, f"no ingest heartbeat on this host ({health_path(settings, 'ingest')}): not started yet, or stopped")
+    path = health_path(settings, "ingest")
+    assert check(settings, "ingest", 5) == (False, f"no ingest heartbeat on this host ({path}): not started yet, or stopped")
     beat = Beat(settings, "ingest")
     assert beat.beat()
     path = health_path(settings, "ingest")

@@ -7,8 +7,8 @@ from __future__ import annotations
 import logging
 import os
 import stat
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import h11
 import httptools

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from flywheel.events import Segment, Turn
+from flywheel.events import ScoredTrajectory, Segment, Turn
 from trainer.loss import policy_loss, token_advantages
 
 pytestmark = pytest.mark.unit
@@ -112,7 +112,7 @@ def test_group_baselines() -> None:
 
 
 def scored(event_id: str, versions: list[int], *, rewards: list[float] | None = None,
-           trajectory_id: str | None = None, revision: int = 0, temperature: float = 1.0) -> "ScoredTrajectory":
+           trajectory_id: str | None = None, revision: int = 0, temperature: float = 1.0) -> ScoredTrajectory:
     from flywheel.events import ScoredTrajectory
 
     tokens, mask, logprobs, turns = [9], [0], [0.0], []
@@ -125,7 +125,8 @@ def scored(event_id: str, versions: list[int], *, rewards: list[float] | None = 
     segs = [Segment(tokens=tokens, mask=mask, logprobs=logprobs, turns=turns)]
     rewards = rewards if rewards is not None else [1.0] * len(versions)
     return ScoredTrajectory(event_id=event_id, tenant="t", session_id=event_id, trajectory_id=trajectory_id or event_id,
-                            revision=revision, model_line="m", segments=segs, turn_rewards=rewards, total_reward=sum(rewards), reward_spec_version="x")
+                            revision=revision, model_line="m", segments=segs, turn_rewards=rewards, total_reward=sum(rewards),
+                            reward_spec_version="x")
 
 
 def test_buffer_staleness_duplicates_and_fifo() -> None:

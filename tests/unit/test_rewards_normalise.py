@@ -115,7 +115,8 @@ def test_anomaly_flags_reward_the_held_out_slice_does_not_confirm() -> None:
 
 
 def test_served_version_is_the_last_turns() -> None:
-    t = [Turn(generation_id="a", start=1, end=2, behaviour_version=3), Turn(generation_id="b", start=3, end=4, behaviour_version=5)]
+    t = [Turn(generation_id="a", start=1, end=2, behaviour_version=3),
+         Turn(generation_id="b", start=3, end=4, behaviour_version=5)]
     seg = Segment(tokens=[1, 2, 3, 4], mask=[0, 1, 0, 1], logprobs=[0.0, -1.0, 0.0, -1.0], turns=t)
     assert served_version([seg]) == 5 and served_version([]) is None
 

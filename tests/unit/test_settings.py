@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from flywheel.settings import TrainerSettings, Settings, SettingsError, load_settings
+from flywheel.settings import Settings, SettingsError, TrainerSettings, load_settings
 
 pytestmark = pytest.mark.unit
 

@@ -5,7 +5,7 @@ arriving piecemeal, a server that stalls, one that hangs up mid-body, and garbag
 from __future__ import annotations
 
 import asyncio
-from typing import Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 import pytest
 
