@@ -1,3 +1,3 @@
-"""flywheel's shared kernel: wire contracts, settings, bus, database, weights, CLI."""
+"""flywheel's shared kernel: wire contracts, settings, bus, database, weights, model loading."""
 
 __version__ = "0.1.0"

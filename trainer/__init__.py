@@ -1,1 +1,1 @@
-"""trainer: loss maths (``loss``), sample buffer and batching (``buffer``), the recipe (``trainer.train:train``)."""
+"""trainer: the recipe (``train``), one optimizer step (``step``), loss maths (``loss``), buffer and batching (``buffer``)."""

@@ -1,1 +1,1 @@
-"""The gateway role: OpenAI-compatible proxy with capture (app), event building (capture), entry point (main)."""
+"""The gateway role: an OpenAI-compatible proxy that captures every generation (map: docs/architecture.md)."""
