@@ -25,7 +25,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -34,6 +33,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
+from testbed.procs import free_port
 
 REQUEST = {
     "model": "tiny-sim",
@@ -44,12 +45,6 @@ REQUEST = {
     "max_tokens": 32,
     "temperature": 1.0,
 }
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def percentile(values: list[float], q: float) -> float:

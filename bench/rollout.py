@@ -32,6 +32,8 @@ from typing import Any
 
 import torch
 
+from testbed.procs import free_port
+
 ROOT = Path(__file__).resolve().parents[1]
 LINE = "bench-rollout"
 
@@ -62,14 +64,6 @@ def _redis_answers() -> bool:
         return bool(redis.Redis(socket_connect_timeout=1, socket_timeout=1).ping())
     except redis.RedisError:
         return False
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def node_config(tmp: Path, i: int, region: str, model_dir: Path, poll_s: float, live: dict[str, str]) -> Path:

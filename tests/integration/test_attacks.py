@@ -52,7 +52,8 @@ from flywheel.events import FeedbackEvent, GenerationEvent
 from flywheel.keys import create_key
 from flywheel.settings import Settings, load_settings
 from testbed.postgres import fresh_database
-from tests.fixtures.roles import RoleThread, drain_capture, free_port, raw_exchange, served_app, wait_until
+from testbed.procs import free_port
+from tests.fixtures.roles import RoleThread, drain_capture, raw_exchange, served_app, wait_until
 from tests.integration.test_store_s3 import BUCKET, s3, s3_endpoint  # noqa: F401  (moto fixtures)
 from tests.integration.test_tenancy_attacks import VersionEchoUpstream, _upstream
 

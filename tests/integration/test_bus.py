@@ -504,8 +504,8 @@ def test_kafka_producer_gives_up_within_its_timeout_on_a_dead_broker(tmp_path) -
     """Creating a producer, waiting for metadata and flushing are bounded by ``timeout_s``; none hangs."""
     from flywheel.bus import BusError
     from testbed.broker import start_tansu
+    from testbed.procs import free_port
     from tests.fixtures.kafka import kafka_test_settings
-    from tests.fixtures.roles import free_port
 
     dead = make_bus(kafka_test_settings(f"127.0.0.1:{free_port()}", tmp_path))
     start = time.monotonic()

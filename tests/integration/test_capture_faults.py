@@ -47,7 +47,8 @@ from flywheel.events import GenerationEvent
 from serving.gateway.spool import Spool
 from serving.protocol import GENERATION_HEADER, SESSION_HEADER
 from testbed.broker import TansuBroker, start_tansu
-from tests.fixtures.roles import free_port, wait_until
+from testbed.procs import free_port
+from tests.fixtures.roles import wait_until
 
 pytestmark = pytest.mark.integration
 

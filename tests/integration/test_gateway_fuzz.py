@@ -16,7 +16,8 @@ from hypothesis import settings as hypothesis_settings
 from bench.upstream import running
 from flywheel.settings import load_settings
 from serving.gateway.app import create_app
-from tests.fixtures.roles import free_port, served_app
+from testbed.procs import free_port
+from tests.fixtures.roles import served_app
 
 pytestmark = pytest.mark.integration
 

@@ -18,7 +18,8 @@ from flywheel.settings import load_settings
 from serving.gateway.app import create_app
 from serving.gateway.completions import LOADING_WAIT_S
 from serving.server import bind, serve
-from tests.fixtures.roles import free_port, wait_until
+from testbed.procs import free_port
+from tests.fixtures.roles import wait_until
 from tests.integration.test_tenancy_attacks import VersionEchoUpstream
 
 pytestmark = pytest.mark.integration

@@ -17,7 +17,7 @@ from flywheel.db.session import make_engine, make_session_factory
 from serving.errors import APIError
 from serving.gateway.auth import Ownership
 from serving.gateway.state import MemoryState, RedisState, StateUnavailable
-from tests.fixtures.roles import free_port
+from testbed.procs import free_port
 
 pytestmark = pytest.mark.integration
 

@@ -16,7 +16,8 @@ from flywheel.bus import make_bus
 from flywheel.events import GenerationEvent
 from flywheel.settings import load_settings
 from serving.gateway.app import create_app
-from tests.fixtures.roles import free_port, served_app, wait_until
+from testbed.procs import free_port
+from tests.fixtures.roles import served_app, wait_until
 
 pytestmark = pytest.mark.integration
 

@@ -41,7 +41,8 @@ from fastapi import FastAPI
 from fastapi.responses import StreamingResponse
 
 from flywheel.settings import Settings, load_settings
-from tests.fixtures.roles import free_port, raw_exchange, served_app, wait_until
+from testbed.procs import free_port
+from tests.fixtures.roles import raw_exchange, served_app, wait_until
 from tests.fixtures.traffic import write_config
 
 pytestmark = pytest.mark.integration

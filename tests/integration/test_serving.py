@@ -31,7 +31,8 @@ from flywheel.events import FeedbackEvent, GenerationEvent, feedback_event_id
 from flywheel.settings import Settings, load_settings
 from flywheel.weights.registry import Registry
 from flywheel.weights.store import make_store
-from tests.fixtures.roles import MESSAGES, RoleThread, free_port, wait_until
+from testbed.procs import free_port
+from tests.fixtures.roles import MESSAGES, RoleThread, wait_until
 
 pytestmark = pytest.mark.integration
 

@@ -35,7 +35,8 @@ from flywheel.events import GenerationEvent
 from flywheel.settings import Settings, load_settings
 from flywheel.weights.registry import Registry
 from serving.gateway.routing import canary_bucket
-from tests.fixtures.roles import MESSAGES, RoleThread, free_port, wait_until
+from testbed.procs import free_port
+from tests.fixtures.roles import MESSAGES, RoleThread, wait_until
 
 pytestmark = pytest.mark.integration
 

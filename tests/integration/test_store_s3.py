@@ -23,7 +23,7 @@ BUCKET = "weights"
 def s3_endpoint() -> Iterator[str]:
     from moto.server import ThreadedMotoServer
 
-    from tests.fixtures.roles import free_port
+    from testbed.procs import free_port
 
     port = free_port()
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port)

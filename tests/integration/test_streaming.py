@@ -27,7 +27,8 @@ from flywheel import lm
 from flywheel.bus import make_bus
 from flywheel.events import GenerationEvent
 from flywheel.settings import Settings, load_settings
-from tests.fixtures.roles import MESSAGES, RefusingProducer, RoleThread, free_port, served_app, wait_until
+from testbed.procs import free_port
+from tests.fixtures.roles import MESSAGES, RefusingProducer, RoleThread, served_app, wait_until
 
 pytestmark = pytest.mark.integration
 

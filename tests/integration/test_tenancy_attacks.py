@@ -27,7 +27,8 @@ from flywheel.keys import create_key, revoke_key
 from flywheel.settings import Settings, load_settings
 from serving.gateway.app import create_app
 from serving.server import bind, serve
-from tests.fixtures.roles import drain_capture, free_port, wait_until
+from testbed.procs import free_port
+from tests.fixtures.roles import drain_capture, wait_until
 
 pytestmark = pytest.mark.integration
 

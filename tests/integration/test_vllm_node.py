@@ -31,7 +31,8 @@ from flywheel.weights.codec.state import encode_full
 from flywheel.weights.registry import Registry
 from flywheel.weights.store import FolderStore
 from serving.node.main import run as run_node
-from tests.fixtures.roles import MESSAGES, RoleThread, free_port, wait_until
+from testbed.procs import free_port
+from tests.fixtures.roles import MESSAGES, RoleThread, wait_until
 from tests.fixtures.vllm_standin import VllmStandIn
 from tests.integration.test_registry import make_state, train_step
 

@@ -22,7 +22,8 @@ from flywheel.bus import make_bus
 from flywheel.events import FeedbackEvent, feedback_event_id
 from flywheel.settings import load_settings
 from serving.gateway.app import create_app
-from tests.fixtures.roles import RefusingProducer, free_port, wait_until
+from testbed.procs import free_port
+from tests.fixtures.roles import RefusingProducer, wait_until
 
 pytestmark = pytest.mark.unit
 
