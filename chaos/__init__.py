@@ -19,9 +19,10 @@ One ``flywheel chaos`` run starts its own services and, per scenario, its own fl
 - **poison** (:mod:`chaos.poison`): records a rogue producer writes onto the consumed topics, and
   API requests the gateway must refuse (the ``poison`` scenario).
 
-A scenario (:mod:`chaos.run`): start the fleet -> traffic for ``seconds`` while its faults
-(:mod:`chaos.faults`) are injected -> heal -> settle (the spool drained, every session closed,
-every trajectory scored, the rollout controller stopped and the nodes converged) -> ``flywheel
+A scenario (:mod:`chaos.run`; the list in :mod:`chaos.scenarios`): start the fleet -> traffic for
+``seconds`` while its faults (:mod:`chaos.faults`, :mod:`chaos.version_faults`, :mod:`chaos.poison`)
+are injected -> heal -> settle (the spool drained, every session closed, every trajectory scored,
+the rollout controller stopped and the nodes converged) -> ``flywheel
 rewards rescore`` -> snapshot (:mod:`chaos.collect`) -> :func:`chaos.invariants.check`, pure over
 the snapshot (its module says what each invariant means). When something is lost or the system
 did not catch up, :mod:`chaos.diagnose` says where on the bus and whether a consumer group is
@@ -32,12 +33,3 @@ command line only, except the pure ``ingest.assemble`` that the invariants repla
 stage module imports it: the command line (launch/cli.py) names :func:`chaos.run.main` by string,
 as it does the stages' entry points.
 """
-
-from chaos.faults import QUICK, SCENARIOS, Scenario
-from chaos.invariants import InvariantResult, Snapshot, check
-from chaos.report import ScenarioResult, format_details, format_table
-from chaos.run import ChaosOptions, ChaosRun, Outcome, recheck, run_chaos
-
-__all__ = ["QUICK", "SCENARIOS", "ChaosOptions", "ChaosRun", "InvariantResult", "Outcome",
-           "Scenario", "ScenarioResult", "Snapshot", "check", "format_details", "format_table", "recheck",
-           "run_chaos"]

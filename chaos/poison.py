@@ -1,5 +1,6 @@
 """Poison: records a rogue producer writes straight onto the consumed topics, and API requests the
-gateway must refuse. What each must become is checked by ``poison_dead_lettered`` and ``fault_checks``.
+gateway must refuse (sent by :mod:`chaos.poison_faults`). What each must become is checked by
+``poison_dead_lettered`` and ``fault_checks``.
 
 **On the bus** (:func:`bus_poison`, pure; :class:`RogueProducer` writes it with the run's settings
 and topic prefix, through the project's bus): onto every topic a stage consumes (``generations``

@@ -24,11 +24,12 @@ import httpx
 
 from chaos.collect import collect, converge_nodes, registry_for, reread, rescore, settle
 from chaos.diagnose import diagnose, probe_groups
-from chaos.faults import QUICK, SCENARIOS, Chaos, Scenario
+from chaos.faults import Chaos
 from chaos.fleet import CHAOS_OVERRIDES, NODES, ApiKeys, Fleet, NodeWatcher
 from chaos.invariants import InvariantResult, Snapshot, check, dead_letter_reasons, lost_items
 from chaos.proxy import UpstreamFaults, UpstreamProxy
 from chaos.report import ScenarioResult, format_details, format_table
+from chaos.scenarios import QUICK, SCENARIOS, Scenario
 from chaos.services import Services
 from chaos.users import Users
 from flywheel.settings import Settings, deep_merge

@@ -1,6 +1,6 @@
 """``flywheel chaos``'s quick subset on the real stack, and its checker catching broken invariants.
 
-One :class:`chaos.ChaosRun` for the module: a private PostgreSQL cluster, Redis and a Tansu broker
+One :class:`chaos.run.ChaosRun` for the module: a private PostgreSQL cluster, Redis and a Tansu broker
 in memory, with the quick tiny model. One scenario runs for real on a fleet of nine role processes
 (gateway, two nodes behind fault-injecting proxies, two ingest and two rewards workers, trainer,
 rollout controller) under simulated users: ``kill9``, one process of every role type killed with
@@ -26,8 +26,9 @@ from pathlib import Path
 import pytest
 from sqlalchemy import delete, insert, select
 
-from chaos import ChaosRun, InvariantResult, Outcome, format_details, recheck
-from chaos.invariants import check_rollout
+from chaos.invariants import InvariantResult, check_rollout
+from chaos.report import format_details
+from chaos.run import ChaosRun, Outcome, recheck
 from flywheel.db.models import Generation, ModelVersion, Trajectory
 from flywheel.db.session import make_engine
 from flywheel.settings import load_settings
