@@ -110,7 +110,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from flywheel.settings import load_settings
     from flywheel.weights.registry import Registry
     from flywheel.weights.store import FolderStore
-    from serving.rollout import node_waker
+    from serving.rollout_actions import node_waker
 
     regions = [f"region-{chr(ord('a') + r)}" for r in range(args.regions)]
     with tempfile.TemporaryDirectory(prefix="bench-rollout-") as tmp_name:

@@ -41,7 +41,7 @@ MODEL_ROLES = ("node", "trainer")
 #: command -> "module:function" taking (args, settings) and returning the exit status: a role's
 #: one-shot actions (``flywheel rollout ACTION``, ``flywheel rewards ACTION``) and the applications
 COMMANDS: dict[str, str] = {
-    "rollout": "serving.rollout:main",
+    "rollout": "serving.rollout_cli:main",
     "rewards": "rewards.rescore:main",
     "demo": "demo.run:main",
     "chaos": "chaos.run:main",
@@ -89,7 +89,7 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 def _version_ref(text: str) -> int | tuple[str, int]:
     """``flywheel rollout``'s VERSION: ``3`` or ``v3`` (of model.line), or ``LINE:3`` (a line named
-    explicitly; serving/rollout.py refuses another line than model.line)."""
+    explicitly; serving/rollout_cli.py refuses another line than model.line)."""
     line, sep, number = text.rpartition(":")
     digits = number[1:] if number[:1] in ("v", "V") else number
     if not (digits.isascii() and digits.isdigit()) or int(digits) >= 2**31 or (sep and not line):
@@ -129,7 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--port", type=int)
         if role == "gateway":
             p.add_argument("--upstream", help="OpenAI-compatible base URL to front (default: the local node)")
-        if role == "rollout":  # no action: the controller loop; serving/rollout.py:main does the others
+        if role == "rollout":  # no action: the controller loop; serving/rollout_cli.py does the others
             p.add_argument("action", nargs="?", choices=["promote", "rollback", "pin", "unpin", "status"],
                            help="promote V: make V stable; rollback V: roll back a canary, or the stable version "
                                 "(restores the newest earlier stable one); pin V: make V stable and freeze "

@@ -41,7 +41,7 @@ Every ``rollout.interval_s`` :func:`step` reads the registry and does at most on
 3. **In either case, the fleet first**: a canary or stable version that no node can load (every node with
    a fresh database heartbeat reports ``failed_update`` for it, none serves it: :func:`unloadable`)
    is ``rolled_back`` at once; for stable, the previous stable version is restored first, as
-   :func:`manual_rollback` does. The nodes never left the version they served, so this puts the
+   :func:`~serving.rollout_actions.manual_rollback` does. The nodes never left the version they served, so this puts the
    registry back in line with the fleet, and new sessions stop being sent to a version nobody has.
    Until both versions served ``min_samples`` generations: wait. Then any test worse (or the
    held-out gate failing now that the canary served traffic): ``rolled_back`` at once (the
@@ -50,9 +50,10 @@ Every ``rollout.interval_s`` :func:`step` reads the registry and does at most on
 
 Every decision is logged with its figures, every status change carries them (short) as the
 registry's audited reason and is announced as a :class:`~flywheel.events.VersionEvent` on the
-``versions`` topic. :func:`main` is ``flywheel rollout promote|rollback|pin|unpin|status``.
+``versions`` topic. The operator's actions (``flywheel rollout promote|rollback|pin|unpin``, the
+gateway's admin routes) are serving/rollout_actions.py; the command is serving/rollout_cli.py.
 
-**Pinned lines.** ``flywheel rollout pin V`` (:func:`manual_pin`, :meth:`Registry.pin`) makes V
+**Pinned lines.** ``flywheel rollout pin V`` (:func:`~serving.rollout_actions.manual_pin`, :meth:`Registry.pin`) makes V
 stable unless it is (any version whose weights rebuild to its hash, except a collected one), ends a
 running canary by returning it to ``candidate`` (a pin is no verdict on it: after the unpin it may
 be canaried again), so every new session goes to V (tenant pins, an explicit per-tenant admin
@@ -76,8 +77,6 @@ compare-and-set under the line's lock).
 
 from __future__ import annotations
 
-import argparse
-import json
 import logging
 import threading
 import time
@@ -89,7 +88,8 @@ from typing import Any
 from flywheel.events import VersionEvent
 from flywheel.health import Beat
 from flywheel.settings import RolloutSettings, Settings
-from flywheel.weights.registry import LinePinned, PinInfo, StatusChanged, VersionNotFound, WeightsError
+from flywheel.weights.registry import PinInfo, StatusChanged
+from serving.rollout_actions import RolloutError, manual_rollback, node_waker, pin_figures, version_event
 from serving.rollout_policy import (
     LATENCY_SAMPLE_CAP,
     NEGATIVE_SIGNALS,
@@ -100,7 +100,6 @@ from serving.rollout_policy import (
     held_out_gate,
     judge_canary,
     parity_gate,
-    previous_stable,
 )
 
 log = logging.getLogger(__name__)
@@ -126,15 +125,6 @@ class Decision:
     @property
     def changed(self) -> bool:
         return self.action in ("canary", "promote", "rollback")
-
-
-def version_event(info: Any) -> VersionEvent:
-    """The wire notice of a version's new status (``session_id`` is the model line: its bus key)."""
-    return VersionEvent(
-        tenant="_system", session_id=info.model_line, model_line=info.model_line, version=info.version,
-        kind=info.kind, parent=info.parent, sha256=info.sha256, status=info.status, bytes=info.bytes,
-        full_bytes=info.full_bytes,
-    )
 
 
 def held_out_rows(db: Any, model_line: str, versions: Sequence[int]) -> list[HeldOutRow]:
@@ -204,10 +194,6 @@ def _gates(registry: Any, db: Any, stable: int | None, policy: RolloutSettings) 
 
 def canary_started(transitions: Sequence[dict[str, Any]]) -> datetime | None:
     return max((t["at"] for t in transitions if t["to_status"] == "canary"), default=None)
-
-
-def pin_figures(pin: PinInfo) -> dict[str, Any]:
-    return {"version": pin.version, "by": pin.by, "at": pin.at.isoformat(), "reason": pin.reason}
 
 
 def pinned_decision(pin: PinInfo, versions: Sequence[Any]) -> Decision:
@@ -312,7 +298,7 @@ def tick(registry: Any, notify: Callable[[VersionEvent], None] | None = None, ro
     return decision.version if decision.changed else None
 
 
-def _open(settings: Settings) -> tuple[Any, Any, Any]:
+def open_line(settings: Settings) -> tuple[Any, Any, Any]:
     from flywheel.db.session import make_session_factory, open_database
     from flywheel.weights.registry import Registry
     from flywheel.weights.store import make_store
@@ -322,29 +308,11 @@ def _open(settings: Settings) -> tuple[Any, Any, Any]:
     return db, sessions, Registry(sessions, make_store(settings), settings.model.line, announce=node_waker(settings))
 
 
-def node_waker(settings: Settings) -> Callable[[Any], None]:
-    """Wakes the nodes after a status change (``flywheel.live`` notification; best effort: the
-    nodes poll the registry anyway)."""
-    from flywheel.live import make_live
-    from serving.node.updater import version_channel
-
-    def wake(info: Any) -> None:
-        live = make_live(settings)
-        try:
-            live.notify(version_channel(info.model_line))
-        except Exception as exc:  # Redis away: the nodes find the change at their next poll
-            log.warning("could not notify the nodes of v%s: %s", info.version, exc)
-        finally:
-            live.close()
-
-    return wake
-
-
 def run(settings: Settings, stop: threading.Event | None = None) -> None:
     """Decide on schedule until ``stop`` is set."""
     from flywheel.bus import make_bus
 
-    db, sessions, registry = _open(settings)
+    db, sessions, registry = open_line(settings)
     bus = make_bus(settings)
     topic = settings.topic(VersionEvent.topic)
     bus.ensure_topics([topic])
@@ -373,111 +341,6 @@ def run(settings: Settings, stop: threading.Event | None = None) -> None:
         db.dispose()
 
 
-# --- flywheel rollout promote | rollback | pin | unpin | status -----------------------------------
-
-
-class RolloutError(Exception):
-    """A manual rollout command that cannot be applied (the message says why)."""
-
-    code = "rollout_conflict"
-
-
-class Pinned(RolloutError):
-    """The line is pinned and the command was not forced."""
-
-    code = "line_pinned"
-
-
-def _refuse_pinned(pin: PinInfo, action: str) -> Pinned:
-    return Pinned(f"model line {pin.model_line!r} is pinned to {pin.describe()}; {action} is refused while pinned: "
-                  f"`flywheel rollout unpin` resumes rollout, `flywheel rollout pin V` moves the pin, "
-                  f"--force {action}s anyway and moves the pin")
-
-
-def manual_promote(registry: Any, version: int, reason: str = "", *, force: bool = False,
-                   by: str = "operator") -> list[int]:
-    """Make ``version`` stable (audited); returns the versions whose status changed. On a pinned
-    line refused (:class:`Pinned`) unless ``force``, which moves the pin to ``version``."""
-    info = registry.get(version)
-    if info.status == "collected":
-        raise RolloutError(f"v{version} was garbage-collected; its weights are gone")
-    if info.status == "stable":
-        raise RolloutError(f"v{version} is already stable")
-    note = f": {reason}" if reason else ""
-    pin = registry.pinned()
-    if pin is not None:
-        if not force:
-            raise _refuse_pinned(pin, "promote")
-        return _pin(registry, version, by, f"forced promote (was {info.status}){note}")[1]
-    try:
-        registry.set_status(version, "stable", reason=f"manual promote (was {info.status}){note}")
-    except LinePinned as exc:  # pinned since we looked
-        raise _refuse_pinned(exc.pin, "promote") from None
-    return [version]
-
-
-def manual_rollback(registry: Any, version: int, reason: str = "", *, force: bool = False,
-                    by: str = "operator") -> list[int]:
-    """Roll back a canary, or the stable version (restoring :func:`previous_stable` first). On a
-    pinned line refused (:class:`Pinned`) unless ``force``: rolling back the pinned version then
-    moves the pin to the version restored."""
-    info = registry.get(version)
-    note = f": {reason}" if reason else ""
-    pin = registry.pinned()
-    if pin is not None and not force:
-        raise _refuse_pinned(pin, "rollback")
-    try:
-        if info.status == "canary":
-            registry.set_status(version, "rolled_back", reason=f"manual rollback of canary{note}",
-                                override_pin=force)
-            return [version]
-        if info.status != "stable":
-            raise RolloutError(f"v{version} is {info.status}; only a canary or the stable version can be rolled back")
-        restore = previous_stable(registry.versions(), registry.transitions(), version)
-        if restore is None:
-            raise RolloutError(f"no earlier stable version (not rolled back or collected) to restore instead of "
-                               f"v{version}")
-        if pin is not None:  # forced: the pin follows the restored version, which retires this one
-            _, changed = _pin(registry, restore, by, f"forced rollback of v{version}: restored{note}")
-            registry.set_status(version, "rolled_back", reason=f"forced rollback by {by}; v{restore} restored{note}",
-                                expect="retired", override_pin=True)
-            return [*changed, version]
-        registry.set_status(restore, "stable", reason=f"manual rollback of v{version}: restored{note}")
-        registry.set_status(version, "rolled_back", reason=f"manual rollback; v{restore} restored{note}")
-    except LinePinned as exc:  # pinned since we looked
-        raise _refuse_pinned(exc.pin, "rollback") from None
-    except StatusChanged as exc:
-        raise RolloutError(f"v{version} changed meanwhile: {exc}") from None
-    return [restore, version]
-
-
-def _pin(registry: Any, version: int, by: str, reason: str) -> tuple[PinInfo, list[int]]:
-    try:
-        pin, changed = registry.pin(version, by=by, reason=reason)
-    except VersionNotFound:
-        raise
-    except WeightsError as exc:  # collected meanwhile, or the weights do not rebuild to the hash
-        raise RolloutError(f"cannot pin v{version}: {exc}") from None
-    return pin, [i.version for i in changed]
-
-
-def manual_pin(registry: Any, version: int, by: str, reason: str = "") -> tuple[PinInfo, list[int]]:
-    """Pin the line to ``version`` (see the module docstring); returns the pin and the versions
-    whose status changed (the pinned one when it was not stable, an ended canary)."""
-    info = registry.get(version)  # VersionNotFound for an unknown version
-    if info.status == "collected":
-        raise RolloutError(f"v{version} was garbage-collected; its weights are gone and it cannot be pinned")
-    return _pin(registry, version, by, reason)
-
-
-def manual_unpin(registry: Any, by: str, reason: str = "") -> PinInfo:
-    """Lift the line's pin (audited); returns the pin lifted."""
-    lifted = registry.unpin(by=by, reason=reason)
-    if lifted is None:
-        raise RolloutError(f"model line {registry.model_line!r} is not pinned")
-    return lifted
-
-
 def status_report(registry: Any, sessions: Any, policy: RolloutSettings, limit: int = 20) -> dict[str, Any]:
     versions = registry.versions()
     keep = {v.version for v in versions[-limit:]} | {v.version for v in versions if v.status in ("stable", "canary")}
@@ -490,120 +353,3 @@ def status_report(registry: Any, sessions: Any, policy: RolloutSettings, limit: 
                      for v in versions if v.version in keep],
         "next_decision": asdict(decision),
     }
-
-
-def operator() -> str:
-    """Who runs this command, for the audit log: ``user@host``."""
-    import getpass
-    import socket
-
-    try:
-        user = getpass.getuser()
-    except (KeyError, OSError):  # no login name (a container with an unnamed uid)
-        user = "unknown"
-    return f"{user}@{socket.gethostname()}"
-
-
-def other_lines_with(registry: Any, version: int) -> list[str]:
-    """The other model lines of the registry's database that have ``version`` (for error messages)."""
-    from sqlalchemy import select
-
-    from flywheel.db.models import ModelVersion
-
-    with registry.sessions() as db:
-        query = select(ModelVersion.model_line).where(ModelVersion.version == version,
-                                                      ModelVersion.model_line != registry.model_line)
-        return sorted(db.scalars(query))
-
-
-def main(args: argparse.Namespace, settings: Settings) -> int:
-    """``flywheel rollout promote V | rollback V | pin V | unpin | status``.
-
-    ``V`` is a version of ``model.line``, or ``LINE:V`` (refused unless LINE is ``model.line``).
-    Exit status: 0 done; 1 refused (unknown version, another line's version, collected, weights that
-    do not rebuild to their hash, a pinned line without ``--force``, unpin of an unpinned line);
-    2 usage (no version named).
-    """
-    import sys
-
-    def refuse(message: str, code: int = 1) -> int:
-        print(f"flywheel rollout {args.action}: {message}", file=sys.stderr)
-        return code
-
-    db, sessions, registry = _open(settings)
-    try:
-        if args.action == "status":
-            report = status_report(registry, sessions, settings.rollout)
-            if args.json:
-                print(json.dumps(report, indent=2, default=str))
-                return 0
-            print(f"model line {report['model_line']}")
-            pin = report["pin"]
-            if pin is not None:
-                why = f": {pin['reason']}" if pin["reason"] else ""
-                print(f"pinned to v{pin['version']} by {pin['by']} at {pin['at']}{why} "
-                      f"(automatic rollout frozen; `flywheel rollout unpin` resumes it)")
-            for v in report["versions"]:
-                mark = " pinned" if pin is not None and pin["version"] == v["version"] else ""
-                print(f"  v{v['version']:<6} {v['status']:<12} {v['kind']:<6} {v['created_at']}{mark}")
-            d = report["next_decision"]
-            target = f" v{d['version']}" if d["version"] is not None else ""
-            print(f"next decision: {d['action']}{target}: {d['reason']}")
-            return 0
-        by = operator()
-        if args.action == "unpin":
-            if args.version is not None:
-                return refuse("takes no version: a line has one pin (flywheel rollout unpin [--reason R])", 2)
-            try:
-                lifted = manual_unpin(registry, by, args.reason or "")
-            except RolloutError as exc:
-                return refuse(str(exc))
-            print(f"unpinned {registry.model_line} (was pinned to {lifted.describe()}); automatic rollout resumes")
-            return 0
-        if args.version is None:
-            return refuse(f"name the version (flywheel rollout {args.action} V)", 2)
-        line, version = args.version if isinstance(args.version, tuple) else (None, args.version)
-        if line is not None and line != registry.model_line:
-            return refuse(f"v{version} of model line {line!r} is not this deployment's: model.line is "
-                          f"{registry.model_line!r} (pins, promotions and rollbacks act on model.line only)")
-        try:
-            if args.action == "pin":
-                _, changed = manual_pin(registry, version, by, args.reason or "")
-            else:
-                act = manual_promote if args.action == "promote" else manual_rollback
-                changed = act(registry, version, args.reason or "", force=args.force, by=by)
-        except VersionNotFound:
-            others = other_lines_with(registry, version)
-            hint = (f" (model lines with a v{version}: {', '.join(others)}; this command acts on model.line)"
-                    if others else "")
-            return refuse(f"model line {registry.model_line!r} has no version {version}{hint}")
-        except RolloutError as exc:
-            return refuse(str(exc))
-        announce(settings, [registry.get(v) for v in changed])
-        for v in changed:
-            print(f"v{v}: {registry.get(v).status}")
-        held = registry.pinned()
-        if held is not None:
-            print(f"pinned to {held.describe()}; automatic rollout frozen until `flywheel rollout unpin`")
-        return 0
-    finally:
-        db.dispose()
-
-
-def announce(settings: Settings, infos: Sequence[Any]) -> None:
-    """Put the new status of each of ``infos`` on the versions topic."""
-    from flywheel.bus import make_bus
-
-    bus = make_bus(settings)
-    try:
-        topic = settings.topic(VersionEvent.topic)
-        bus.ensure_topics([topic])
-        producer = bus.producer()
-        try:
-            for info in infos:
-                producer.send(topic, info.model_line, version_event(info).to_bytes())
-            producer.flush()
-        finally:
-            producer.close()
-    finally:
-        bus.close()

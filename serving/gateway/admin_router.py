@@ -3,9 +3,9 @@
 ``GET /admin/capture``; ``GET /admin/pins`` and ``PUT /admin/pins/{tenant}`` (``{"version": N}``
 pins a tenant, ``{"version": null}`` clears it); ``GET /admin/versions``; ``POST
 /admin/versions/{v}/promote``, ``.../rollback`` and ``.../pin``, and ``POST /admin/unpin``, the same
-as ``flywheel rollout status|promote|rollback|pin|unpin`` (:mod:`serving.rollout`, which only this
-gateway module imports), with an optional JSON body ``{"reason": ..., "force": ...}``, where
-``force`` only applies to promote and rollback.
+as ``flywheel rollout status|promote|rollback|pin|unpin`` (:mod:`serving.rollout` and
+:mod:`serving.rollout_actions`, which only this gateway module imports), with an optional JSON
+body ``{"reason": ..., "force": ...}``, where ``force`` only applies to promote and rollback.
 
 Invariants:
 - Every route needs an admin key (auth on) or a loopback caller (auth off)
@@ -117,19 +117,19 @@ async def admin_version_action(version: int, action: str, request: Request) -> d
     def apply() -> dict[str, Any]:
         pin = None
         if isinstance(body, LinePinRequest):
-            pin, changed = rollout().manual_pin(registry, version, who, body.reason)
+            pin, changed = actions().manual_pin(registry, version, who, body.reason)
         else:
-            act = rollout().manual_promote if action == "promote" else rollout().manual_rollback
+            act = actions().manual_promote if action == "promote" else actions().manual_rollback
             note = f"{who}: {body.reason}" if body.reason else who
             changed = act(registry, version, note, force=body.force, by=who)
         infos = [registry.get(v) for v in changed]
         try:
-            rollout().announce(settings, infos)
+            actions().announce(settings, infos)
         except Exception as exc:  # the bus is down: the change stands (nodes follow the registry)
             log.warning("version change not announced on the bus: %s", exc)
         result: dict[str, Any] = {"changed": [{"version": i.version, "status": i.status} for i in infos]}
         if pin is not None:
-            result["pin"] = rollout().pin_figures(pin)
+            result["pin"] = actions().pin_figures(pin)
         return result
 
     try:
@@ -137,7 +137,7 @@ async def admin_version_action(version: int, action: str, request: Request) -> d
     except VersionNotFound:
         raise APIError(404, f"version {version} of {settings.model.line} is not in the registry",
                        param="version", code="version_not_found") from None
-    except rollout().RolloutError as exc:
+    except actions().RolloutError as exc:
         raise APIError(409, str(exc), code=exc.code) from None
     await gateway.router.refresh()
     return result
@@ -151,10 +151,10 @@ async def admin_unpin(request: Request) -> dict[str, Any]:
     body = await read_optional_body(request, LinePinRequest, gateway.settings.gateway.body_read_timeout_s)
     registry = line_registry(gateway.settings, gateway.sessions)
     try:
-        lifted = await asyncio.to_thread(rollout().manual_unpin, registry, who, body.reason)
-    except rollout().RolloutError as exc:
+        lifted = await asyncio.to_thread(actions().manual_unpin, registry, who, body.reason)
+    except actions().RolloutError as exc:
         raise APIError(409, str(exc), code="not_pinned") from None
-    return {"unpinned": rollout().pin_figures(lifted)}
+    return {"unpinned": actions().pin_figures(lifted)}
 
 
 @router.put("/admin/pins/{tenant}", openapi_extra=body_schema(PinRequest))
@@ -180,12 +180,20 @@ async def admin_set_pin(tenant: str, request: Request) -> dict[str, Any]:
 
 
 def rollout() -> ModuleType:
-    """:mod:`serving.rollout`, imported by the first version route rather than at start-up: it brings
-    the weight registry and with it torch (about 250 MB and 1.7 s), which a gateway that never
-    serves an admin version call should not pay."""
+    """:mod:`serving.rollout` (the controller's status report), imported by the first version route
+    rather than at start-up: it brings the weight registry and with it torch (about 250 MB and
+    1.7 s), which a gateway that never serves an admin version call should not pay."""
     import serving.rollout
 
     return serving.rollout
+
+
+def actions() -> ModuleType:
+    """:mod:`serving.rollout_actions` (promote, roll back, pin, unpin, announce), imported like
+    :func:`rollout` at the first version route."""
+    import serving.rollout_actions
+
+    return serving.rollout_actions
 
 
 def line_registry(settings: Settings, sessions: sessionmaker[Session]) -> Registry:
@@ -193,7 +201,7 @@ def line_registry(settings: Settings, sessions: sessionmaker[Session]) -> Regist
     from flywheel.weights.registry import Registry
     from flywheel.weights.store import make_store
 
-    return Registry(sessions, make_store(settings), settings.model.line, announce=rollout().node_waker(settings))
+    return Registry(sessions, make_store(settings), settings.model.line, announce=actions().node_waker(settings))
 
 
 async def read_optional_body(request: Request, model: type[Body], timeout_s: float) -> Body:

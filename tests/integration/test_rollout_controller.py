@@ -22,17 +22,8 @@ from flywheel.settings import RolloutSettings, load_settings
 from flywheel.weights.registry import Registry
 from flywheel.weights.store import FolderStore
 from launch.cli import build_parser, dispatch
-from serving.rollout import (
-    NODE_FRESH_S,
-    Pinned,
-    RolloutError,
-    manual_pin,
-    manual_promote,
-    manual_rollback,
-    manual_unpin,
-    step,
-    tick,
-)
+from serving.rollout import NODE_FRESH_S, step, tick
+from serving.rollout_actions import Pinned, RolloutError, manual_pin, manual_promote, manual_rollback, manual_unpin
 from tests.integration.test_registry import make_state, train_step
 
 pytestmark = pytest.mark.integration

@@ -309,7 +309,7 @@ def lora_settings(tmp_path: Path, db_url: str, model: Path, vllm_url: str, **ext
 
 
 def test_a_lora_mode_node_follows_promotions_and_rollbacks_and_keeps_corrupt_adapters_out(tmp_path: Path) -> None:
-    from serving.rollout import manual_rollback
+    from serving.rollout_actions import manual_rollback
 
     rng = random.Random(21)
     model = lora_base_model(tmp_path / "model", rng)

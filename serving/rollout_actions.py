@@ -1,0 +1,174 @@
+"""Operator actions on a line's versions, and how the fleet hears of a change.
+
+:func:`manual_promote`, :func:`manual_rollback`, :func:`manual_pin` and :func:`manual_unpin` are what
+``flywheel rollout promote|rollback|pin|unpin`` (serving/rollout_cli.py) and the gateway's admin
+routes do; the controller (serving/rollout.py) rolls back with :func:`manual_rollback` too. A pinned
+line refuses promote and rollback unless forced (the rules: serving/rollout.py's docstring).
+:func:`announce` puts new statuses on the versions topic; :func:`node_waker` is the registry's hook
+that wakes the nodes after a change (best effort: they poll the registry anyway).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from flywheel.events import VersionEvent
+from flywheel.settings import Settings
+from flywheel.weights.registry import LinePinned, PinInfo, StatusChanged, VersionNotFound, WeightsError
+from serving.rollout_policy import previous_stable
+
+log = logging.getLogger(__name__)
+
+
+class RolloutError(Exception):
+    """A manual rollout command that cannot be applied (the message says why)."""
+
+    code = "rollout_conflict"
+
+
+class Pinned(RolloutError):
+    """The line is pinned and the command was not forced."""
+
+    code = "line_pinned"
+
+
+def _refuse_pinned(pin: PinInfo, action: str) -> Pinned:
+    return Pinned(f"model line {pin.model_line!r} is pinned to {pin.describe()}; {action} is refused while pinned: "
+                  f"`flywheel rollout unpin` resumes rollout, `flywheel rollout pin V` moves the pin, "
+                  f"--force {action}s anyway and moves the pin")
+
+
+def manual_promote(registry: Any, version: int, reason: str = "", *, force: bool = False,
+                   by: str = "operator") -> list[int]:
+    """Make ``version`` stable (audited); returns the versions whose status changed. On a pinned
+    line refused (:class:`Pinned`) unless ``force``, which moves the pin to ``version``."""
+    info = registry.get(version)
+    if info.status == "collected":
+        raise RolloutError(f"v{version} was garbage-collected; its weights are gone")
+    if info.status == "stable":
+        raise RolloutError(f"v{version} is already stable")
+    note = f": {reason}" if reason else ""
+    pin = registry.pinned()
+    if pin is not None:
+        if not force:
+            raise _refuse_pinned(pin, "promote")
+        return _pin(registry, version, by, f"forced promote (was {info.status}){note}")[1]
+    try:
+        registry.set_status(version, "stable", reason=f"manual promote (was {info.status}){note}")
+    except LinePinned as exc:  # pinned since we looked
+        raise _refuse_pinned(exc.pin, "promote") from None
+    return [version]
+
+
+def manual_rollback(registry: Any, version: int, reason: str = "", *, force: bool = False,
+                    by: str = "operator") -> list[int]:
+    """Roll back a canary, or the stable version (restoring :func:`previous_stable` first). On a
+    pinned line refused (:class:`Pinned`) unless ``force``: rolling back the pinned version then
+    moves the pin to the version restored."""
+    info = registry.get(version)
+    note = f": {reason}" if reason else ""
+    pin = registry.pinned()
+    if pin is not None and not force:
+        raise _refuse_pinned(pin, "rollback")
+    try:
+        if info.status == "canary":
+            registry.set_status(version, "rolled_back", reason=f"manual rollback of canary{note}",
+                                override_pin=force)
+            return [version]
+        if info.status != "stable":
+            raise RolloutError(f"v{version} is {info.status}; only a canary or the stable version can be rolled back")
+        restore = previous_stable(registry.versions(), registry.transitions(), version)
+        if restore is None:
+            raise RolloutError(f"no earlier stable version (not rolled back or collected) to restore instead of "
+                               f"v{version}")
+        if pin is not None:  # forced: the pin follows the restored version, which retires this one
+            _, changed = _pin(registry, restore, by, f"forced rollback of v{version}: restored{note}")
+            registry.set_status(version, "rolled_back", reason=f"forced rollback by {by}; v{restore} restored{note}",
+                                expect="retired", override_pin=True)
+            return [*changed, version]
+        registry.set_status(restore, "stable", reason=f"manual rollback of v{version}: restored{note}")
+        registry.set_status(version, "rolled_back", reason=f"manual rollback; v{restore} restored{note}")
+    except LinePinned as exc:  # pinned since we looked
+        raise _refuse_pinned(exc.pin, "rollback") from None
+    except StatusChanged as exc:
+        raise RolloutError(f"v{version} changed meanwhile: {exc}") from None
+    return [restore, version]
+
+
+def _pin(registry: Any, version: int, by: str, reason: str) -> tuple[PinInfo, list[int]]:
+    try:
+        pin, changed = registry.pin(version, by=by, reason=reason)
+    except VersionNotFound:
+        raise
+    except WeightsError as exc:  # collected meanwhile, or the weights do not rebuild to the hash
+        raise RolloutError(f"cannot pin v{version}: {exc}") from None
+    return pin, [i.version for i in changed]
+
+
+def manual_pin(registry: Any, version: int, by: str, reason: str = "") -> tuple[PinInfo, list[int]]:
+    """Pin the line to ``version`` (see the module docstring); returns the pin and the versions
+    whose status changed (the pinned one when it was not stable, an ended canary)."""
+    info = registry.get(version)  # VersionNotFound for an unknown version
+    if info.status == "collected":
+        raise RolloutError(f"v{version} was garbage-collected; its weights are gone and it cannot be pinned")
+    return _pin(registry, version, by, reason)
+
+
+def manual_unpin(registry: Any, by: str, reason: str = "") -> PinInfo:
+    """Lift the line's pin (audited); returns the pin lifted."""
+    lifted = registry.unpin(by=by, reason=reason)
+    if lifted is None:
+        raise RolloutError(f"model line {registry.model_line!r} is not pinned")
+    return lifted
+
+
+def pin_figures(pin: PinInfo) -> dict[str, Any]:
+    return {"version": pin.version, "by": pin.by, "at": pin.at.isoformat(), "reason": pin.reason}
+
+
+def version_event(info: Any) -> VersionEvent:
+    """The wire notice of a version's new status (``session_id`` is the model line: its bus key)."""
+    return VersionEvent(
+        tenant="_system", session_id=info.model_line, model_line=info.model_line, version=info.version,
+        kind=info.kind, parent=info.parent, sha256=info.sha256, status=info.status, bytes=info.bytes,
+        full_bytes=info.full_bytes,
+    )
+
+
+def announce(settings: Settings, infos: Sequence[Any]) -> None:
+    """Put the new status of each of ``infos`` on the versions topic."""
+    from flywheel.bus import make_bus
+
+    bus = make_bus(settings)
+    try:
+        topic = settings.topic(VersionEvent.topic)
+        bus.ensure_topics([topic])
+        producer = bus.producer()
+        try:
+            for info in infos:
+                producer.send(topic, info.model_line, version_event(info).to_bytes())
+            producer.flush()
+        finally:
+            producer.close()
+    finally:
+        bus.close()
+
+
+def node_waker(settings: Settings) -> Callable[[Any], None]:
+    """Wakes the nodes after a status change (``flywheel.live`` notification; best effort: the
+    nodes poll the registry anyway)."""
+    from flywheel.live import make_live
+    from serving.node.updater import version_channel
+
+    def wake(info: Any) -> None:
+        live = make_live(settings)
+        try:
+            live.notify(version_channel(info.model_line))
+        except Exception as exc:  # Redis away: the nodes find the change at their next poll
+            log.warning("could not notify the nodes of v%s: %s", info.version, exc)
+        finally:
+            live.close()
+
+    return wake
