@@ -46,8 +46,8 @@ def make_live(settings: Settings) -> LiveState:
     return MemoryLive()
 
 
-def _check_ttl(ttl_s: float | None) -> None:
-    if ttl_s is not None and not ttl_s > 0:
+def _check_ttl(ttl_s: float) -> None:
+    if not ttl_s > 0:
         raise ValueError(f"ttl_s must be positive, got {ttl_s!r}")
 
 

@@ -165,4 +165,3 @@ def load_state(model: PreTrainedModel, state: dict[str, torch.Tensor]) -> None:
         if src.shape != p.shape:
             raise ValueError(f"{name}: shape {tuple(src.shape)} does not match the model's {tuple(p.shape)}")
         p.copy_(src)
-

@@ -86,10 +86,10 @@ from sqlalchemy.exc import DataError, IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
 from flywheel.bus import Consumer, Producer, Record, make_bus, partition_for_key
-from flywheel.bus.base import BAD_RECORD, route_to_dlq, stay_in_group
+from flywheel.bus.base import route_to_dlq, stay_in_group
 from flywheel.bus.envelope import Reassembler
 from flywheel.db.models import Feedback, Generation
-from flywheel.db.session import OutageWait, make_session_factory, open_database
+from flywheel.db.session import BAD_ROW, OutageWait, make_session_factory, open_database
 from flywheel.events import FeedbackEvent, GenerationEvent, TrajectoryEvent
 from flywheel.health import Beat
 from flywheel.settings import Settings
@@ -154,14 +154,14 @@ class Ingestor:
         if decoded:
             try:
                 self._emit(self._apply([event for _, event in decoded]))
-            except (DataError, IntegrityError, *BAD_RECORD) as exc:
+            except BAD_ROW as exc:
                 log.warning("a batch of %d events could not be stored (%s); writing them one by one",
                             len(decoded), _why(exc)[:200])
                 self.counters["batches_split"] += 1
                 for record, event in decoded:
                     try:
                         self._emit(self._apply([event]))
-                    except (DataError, IntegrityError, *BAD_RECORD) as one:
+                    except BAD_ROW as one:
                         self._dead_letter(record, consumer, f"refused by the database: {_why(one)}"
                                           if isinstance(one, (DataError, IntegrityError))
                                           else f"cannot be applied: {type(one).__name__}: {one}")

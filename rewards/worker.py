@@ -36,12 +36,11 @@ import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
 
-from sqlalchemy.exc import DataError, IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
 from flywheel.bus import Consumer, Producer, Record, make_bus
 from flywheel.bus.base import BAD_RECORD, route_to_dlq, stay_in_group
-from flywheel.db.session import OutageWait, make_session_factory, open_database
+from flywheel.db.session import BAD_ROW, OutageWait, make_session_factory, open_database
 from flywheel.events import ScoredTrajectory, TrajectoryEvent
 from flywheel.health import Beat
 from flywheel.settings import RewardSettings, Settings
@@ -111,7 +110,7 @@ def process(
         return
     try:
         out = _store(batch, sessions, scorer, normaliser, counters)
-    except (DataError, IntegrityError, *BAD_RECORD) as exc:
+    except BAD_ROW as exc:
         log.warning("a batch of %d trajectories could not be stored (%s: %s); storing them one by one",
                     len(batch), type(exc).__name__, str(exc)[:200])
         counters["batches_split"] += 1
@@ -120,7 +119,7 @@ def process(
         for event_id, item in batch.items():
             try:
                 out += _store({event_id: item}, sessions, scorer, normaliser, counters)
-            except (DataError, IntegrityError, *BAD_RECORD) as one:
+            except BAD_ROW as one:
                 route_to_dlq(consumer, item[2], f"unstorable ScoredTrajectory: {type(one).__name__}: {one}",
                              counters, log)
                 _restore(sessions, scorer.spec, normaliser, restore_rows)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -183,9 +183,8 @@ def bad_upstream_response(exc: Exception, headers: dict[str, str]) -> APIError:
     return APIError(502, f"upstream response cannot be captured: {exc}", code="bad_upstream_response", headers=headers)
 
 
-def install_error_handlers(app: FastAPI, *, unavailable: Sequence[type[Exception]] = ()) -> None:
-    """Map every exception an endpoint can raise to the envelope; unknown ones become a logged 500.
-    ``unavailable``: exceptions that mean the live state store is down (:func:`state_unavailable`)."""
+def install_error_handlers(app: FastAPI) -> None:
+    """Map every exception an endpoint can raise to the envelope; unknown ones become a logged 500."""
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
@@ -203,11 +202,6 @@ def install_error_handlers(app: FastAPI, *, unavailable: Sequence[type[Exception
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
         return APIError(exc.status_code, message, headers=dict(exc.headers or {})).response()
-
-    for exc_type in unavailable:
-        @app.exception_handler(exc_type)
-        async def _unavailable(_: Request, exc: Exception) -> JSONResponse:
-            return state_unavailable(exc).response()
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:

@@ -30,13 +30,18 @@ from typing import Any
 
 from sqlalchemy import Engine, create_engine, event, text
 from sqlalchemy.engine import URL, make_url
-from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
+from sqlalchemy.exc import DataError, DBAPIError, IntegrityError, InterfaceError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
+from flywheel.bus.base import BAD_RECORD
 from flywheel.jsonpolicy import db_dumps, db_loads
 from flywheel.settings import redact_url, scrub, url_secrets
 
 log = logging.getLogger(__name__)
+
+#: A record whose rows cannot be stored: the database refuses them, or the record cannot be applied
+#: (:data:`flywheel.bus.base.BAD_RECORD`). A worker dead-letters such a record and goes on.
+BAD_ROW: tuple[type[Exception], ...] = (DataError, IntegrityError, *BAD_RECORD)
 
 SQLITE_BUSY_TIMEOUT_S = 30.0
 PG_CONNECT_TIMEOUT_S = 10

@@ -24,11 +24,12 @@ import contextlib
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
 from prometheus_client import CollectorRegistry
 
 from flywheel.settings import Settings
-from serving.errors import install_error_handlers
+from serving.errors import install_error_handlers, state_unavailable
 from serving.gateway import admin_router, api_router, openapi
 from serving.gateway.metrics import GatewayMetrics
 from serving.gateway.services import open_services
@@ -75,7 +76,12 @@ def create_app(settings: Settings, *, producer_factory: Callable[[], Any] | None
             yield
 
     app = FastAPI(title="flywheel gateway", docs_url=None, redoc_url=None, lifespan=lifespan, redirect_slashes=False)
-    install_error_handlers(app, unavailable=(StateUnavailable,))
+    install_error_handlers(app)
+
+    @app.exception_handler(StateUnavailable)
+    async def _state_unavailable(_: Request, exc: StateUnavailable) -> JSONResponse:
+        return state_unavailable(exc).response()
+
     app.add_middleware(SessionEcho, metrics=metrics)
     app.include_router(api_router.router)
     app.include_router(admin_router.router)

@@ -20,8 +20,8 @@ Invariants:
   session keeps the model version it was first routed to (sticky, ``gateway.session_ttl_s`` after
   its last request); new sessions follow the rollout (tenant pin, canary share, stable). If no node
   holds the session's version any more, it moves to the current one and the move is counted.
-- Rejected requests (malformed, invalid fields, unknown model, capture full) never reach the
-  upstream or the bus; they get a 4xx OpenAI envelope naming the offending field.
+- Rejected requests (malformed, invalid fields, unknown model) never reach the upstream or the
+  bus; they get a 4xx OpenAI envelope naming the offending field (capture full: a 503).
 - A node that serves each version under its own model name (a vLLM server in LoRA mode, whose
   heartbeat carries ``model_names``) is sent ``model = <its name for the session's version>``; its
   answer is turned back into the line's before anything else reads it (``routing.as_line``:
@@ -35,7 +35,6 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 import uuid
@@ -48,6 +47,7 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import ValidationError
 
+from flywheel import jsonpolicy
 from flywheel.events import new_id
 from flywheel.settings import Settings
 from serving.errors import (
@@ -157,10 +157,7 @@ class CompletionServing:
         session_id = check_session_id(request.headers.get(SESSION_HEADER) or uuid.uuid4().hex)
         version = await self.pin(principal.tenant, session_id)
         upstream_request = capture.upstream_request(body, self.settings.model.line, kind)
-        try:
-            upstream_body = orjson.dumps(upstream_request)
-        except TypeError as exc:  # e.g. an integer beyond 64 bits in a vendor field
-            raise APIError(400, f"request body cannot be forwarded: {exc}", code="invalid_value") from None
+        upstream_body = orjson.dumps(upstream_request)  # read_json_body kept every integer within 64 bits
         call = Call(kind, body, parsed, principal, session_id, version, upstream_body, upstream_request,
                     started=started, headers={SESSION_HEADER: session_id})
         if parsed.stream:
@@ -330,10 +327,10 @@ class CompletionServing:
 
         def relay(data: str) -> bytes | None:
             """Fold one upstream event into the capture; what the client gets of it."""
-            try:
-                chunk = json.loads(data)
-            except ValueError:
-                raise capture.CaptureError("upstream stream event is not JSON") from None
+            try:  # the JSON policy: what the event carries on, every reader of the bus can decode
+                chunk = jsonpolicy.loads(data)
+            except ValueError as exc:
+                raise capture.CaptureError(f"upstream stream event is not JSON that flywheel can carry: {exc}") from None
             if isinstance(chunk, dict) and chunk.get("error") is not None:
                 raise UpstreamStreamError(chunk["error"])
             if isinstance(chunk, dict):

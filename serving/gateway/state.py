@@ -1,4 +1,4 @@
-"""The gateway's shared, expiring state: rate limits, sticky sessions, generation owners, tenant pins.
+"""The gateway's shared, expiring state: rate limits, sticky sessions, owners, feedback claims, pins.
 
 Two backends behind one async interface (:class:`GatewayState`), chosen by ``settings.live.kind``:
 ``memory`` (one gateway process, the embedded default) and ``redis`` (``redis.asyncio``, shared by

@@ -313,6 +313,9 @@ def faulty_upstream_app() -> FastAPI:
             yield _chunk(v, {"index": 0, "delta": {"content": "c"}, "token_ids": [9], "finish_reason": "stop",
                              "logprobs": {"content": [{"token": "c", "logprob": -1.0, "bytes": [99],
                                                        "top_logprobs": []}]}}, usage=None)
+            if fault == "huge_usage":  # no reader of the event could decode it (flywheel/jsonpolicy.py)
+                yield b'data: {"choices": [], "usage": {"prompt_tokens": 100000000000000000000000}}\n\n'
+                return
             yield _chunk(v, None, usage={"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6})
             if fault != "no_done":
                 yield b"data: [DONE]\n\n"
@@ -342,7 +345,8 @@ def test_streams_that_break_off_end_in_an_error_event_and_record_nothing(faulty)
     base = {"messages": MESSAGES, "stream": True, "logprobs": True}
     generations = {}
     with httpx.Client(timeout=30) as client:
-        for fault, code in (("error", "engine_failure"), ("drop", "upstream_error"), ("no_done", "upstream_error")):
+        for fault, code in (("error", "engine_failure"), ("drop", "upstream_error"), ("no_done", "upstream_error"),
+                            ("huge_usage", "bad_upstream_response")):
             r, events = stream(client, url, {**base, "fault": fault}, **{"X-Flywheel-Session": f"f-{fault}"})
             assert r.status_code == 200 and r.headers["X-Flywheel-Model-Version"] == "4"
             generations[fault] = r.headers["X-Flywheel-Generation"]
@@ -367,7 +371,7 @@ def test_streams_that_break_off_end_in_an_error_event_and_record_nothing(faulty)
 
     found = faulty.events(list(generations.values()), timeout_s=3)
     assert {fault: len(found[g]) for fault, g in generations.items()} == {
-        "error": 0, "drop": 0, "no_done": 0, "none": 1, "version_in_chunk": 1}
+        "error": 0, "drop": 0, "no_done": 0, "huge_usage": 0, "none": 1, "version_in_chunk": 1}
     event = found[generations["none"]][0]
     assert (event.prompt_token_ids, event.completion_token_ids, event.completion_logprobs) == (
         [1, 2, 3], [7, 8, 9], [-0.5, -0.25, -1.0])
@@ -375,7 +379,7 @@ def test_streams_that_break_off_end_in_an_error_event_and_record_nothing(faulty)
     assert event.response["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
     assert found[generations["version_in_chunk"]][0].model_version == 5
     metrics = httpx.get(f"{faulty.gateway}/metrics").text
-    assert "flywheel_stream_errors_total 3.0" in metrics
+    assert "flywheel_stream_errors_total 4.0" in metrics
 
 
 def test_a_stream_whose_event_cannot_be_spooled_ends_in_an_error_event(tmp_path):

@@ -440,5 +440,3 @@ def nb_join_steps(signs, mags, escapes, limit, out):  # pragma: no cover - compi
     if n & 3 and mags[n >> 2] >> (2 * (n & 3)):
         return 3
     return 0
-
-
