@@ -34,6 +34,7 @@ from typing import Any
 
 import httpx
 
+from bench.profiling import cpu_seconds
 from testbed.procs import free_port
 
 REQUEST = {
@@ -148,12 +149,6 @@ def start_gateway(port: int, upstream_port: int, data_dir: Path, env: dict[str, 
     )
     _wait_http(f"http://127.0.0.1:{port}/health")
     return proc
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU a process has used so far (Linux /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def stop(proc: subprocess.Popen, timeout_s: float = 60.0) -> int:

@@ -85,10 +85,9 @@ class ChaosRun:
 
     def __enter__(self) -> ChaosRun:
         if self.model_path is None:
-            from demo.tinymodel.build import ensure_default_model
+            from launch.up import with_model
 
-            self.model_path = Path(self.settings.model.path) if self.settings.model.path else ensure_default_model(
-                self.settings.data_path / "models")
+            self.model_path = Path(with_model(self.settings).model.path)
         try:
             self.services.start()
         except BaseException:

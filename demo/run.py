@@ -35,7 +35,7 @@ import httpx
 
 from demo.users import Served, UserPool
 from flywheel.settings import Settings
-from launch.up import Stack, prepare
+from launch.up import Stack, prepare, with_model
 
 log = logging.getLogger("flywheel.demo")
 
@@ -82,13 +82,9 @@ def free_port() -> int:
 
 def model_path(settings: Settings, label: str = "flywheel demo") -> Path:
     """The model directory the loop serves: ``model.path``, else the default tiny model (built once)."""
-    from demo.tinymodel.build import ensure_default_model
-
-    if settings.model.path:
-        return Path(settings.model.path)
-    base = settings.data_path
-    print(f"{label}: building/loading the tiny model (cache {base / 'models'})", flush=True)
-    return ensure_default_model(base / "models")
+    if not settings.model.path:
+        print(f"{label}: building/loading the tiny model (cache {settings.data_path / 'models'})", flush=True)
+    return Path(with_model(settings).model.path)
 
 
 def loop_settings(settings: Settings, run_dir: Path, model_path: Path, *, port: int | None = None,

@@ -58,13 +58,12 @@ def wait_for_kafka(bootstrap: str, timeout_s: float = 30.0) -> None:
 
 
 class TansuBroker(ChildService):
-    """A Tansu process on ``port``; :meth:`stop`, :meth:`kill` and :meth:`restart` keep the address."""
+    """A Tansu process on ``port``, its topics in memory (the only storage the wheel's build has)."""
 
-    def __init__(self, port: int, log_path: Path, storage: str = "memory://tansu/", *,
-                 new_session: bool = False) -> None:
+    def __init__(self, port: int, log_path: Path, *, new_session: bool = False) -> None:
         url = f"tcp://127.0.0.1:{port}"
         cmd = [str(tansu_binary()), "broker", "--listener-url", url, "--advertised-listener-url", url,
-               "--storage-engine", storage]
+               "--storage-engine", "memory://tansu/"]
         super().__init__("tansu", cmd, port, log_path, new_session=new_session)
 
     @property
@@ -74,10 +73,6 @@ class TansuBroker(ChildService):
     def start(self, timeout_s: float = 30.0) -> TansuBroker:
         self.start_process(lambda: kafka_answers(self.bootstrap), timeout_s)
         return self
-
-    def restart(self, timeout_s: float = 30.0) -> TansuBroker:
-        self.stop()
-        return self.start(timeout_s)
 
     def freeze(self) -> None:
         """SIGSTOP: the broker answers nothing, its clients' requests time out."""
@@ -100,12 +95,12 @@ class TansuBroker(ChildService):
         return sum(1 for line in result.stdout.splitlines()[1:] if line.strip())
 
 
-def start_tansu(port: int | None = None, log_dir: Path | None = None, storage: str = "memory://tansu/") -> TansuBroker:
+def start_tansu(port: int | None = None, log_dir: Path | None = None) -> TansuBroker:
     """Start a Tansu broker on ``port`` (a free one by default) and wait until it serves metadata;
     its log is ``log_dir/tansu-PORT.log`` (a fresh temporary folder by default)."""
     port = port or free_port()
     log_dir = Path(log_dir or tempfile.mkdtemp(prefix="tansu-"))
-    return TansuBroker(port, log_dir / f"tansu-{port}.log", storage).start()
+    return TansuBroker(port, log_dir / f"tansu-{port}.log").start()
 
 
 @contextmanager

@@ -109,8 +109,8 @@ class PrivatePostgres:
     """A PostgreSQL cluster of our own (``initdb`` in a temporary folder, as the ``postgres`` user
     when run as root): start, stop (clean or a crash), start again on the same port."""
 
-    def __init__(self, port: int | None = None) -> None:
-        self.port = port or free_port()
+    def __init__(self) -> None:
+        self.port = free_port()
         self.dir = Path(tempfile.mkdtemp(prefix="flywheel-chaos-pg-"))
         self.data = self.dir / "data"
         self.log_path = self.dir / "postgres.log"

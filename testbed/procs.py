@@ -62,9 +62,9 @@ class ChildService:
     terminal sends the caller's process group (chaos stops its services itself, at the end).
     """
 
-    def __init__(self, name: str, cmd: list[str], port: int, log_path: Path, *, env: dict[str, str] | None = None,
+    def __init__(self, name: str, cmd: list[str], port: int, log_path: Path, *,
                  new_session: bool = False) -> None:
-        self.name, self.cmd, self.port, self.log_path, self.env = name, cmd, port, log_path, env
+        self.name, self.cmd, self.port, self.log_path = name, cmd, port, log_path
         self.new_session = new_session
         self.process: subprocess.Popen[bytes] | None = None
 
@@ -72,7 +72,7 @@ class ChildService:
         """Spawn ``cmd`` and wait until ``ready()`` answers truthy (exceptions count as not yet)."""
         with open(self.log_path, "ab") as out:
             self.process = subprocess.Popen(self.cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                            env=self.env, start_new_session=self.new_session)
+                                            start_new_session=self.new_session)
         process = self.process
         deadline = time.monotonic() + timeout_s
         last: Any = None

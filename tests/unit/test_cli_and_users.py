@@ -66,18 +66,6 @@ def test_up_registers_the_base_model_except_on_an_adapter_line(tmp_path, tiny_mo
     assert (latest is None) if publish == "adapter" else (latest is not None and latest.version == 0 and latest.kind == "full")
 
 
-def test_the_kernel_imports_no_stage_and_no_application():
-    """flywheel/ is a library: the command line reaches stages and applications by name only."""
-    import re
-    from pathlib import Path
-
-    kernel = Path(__file__).resolve().parents[2] / "flywheel"
-    pattern = re.compile(r"^\s*(from|import) (serving|ingest|rewards|trainer|chaos|bench|launch|demo|migrations)\b")
-    found = [f"{path.relative_to(kernel.parent)}:{n}: {line.strip()}" for path in sorted(kernel.rglob("*.py"))
-             for n, line in enumerate(path.read_text().splitlines(), 1) if pattern.match(line)]
-    assert found == []
-
-
 def test_every_name_in_the_command_tables_resolves():
     from launch.cli import COMMANDS, ROLES, resolve
     from launch.up import DEFAULT_MODEL
