@@ -32,7 +32,7 @@ def _words(rng: random.Random, n_tokens: int) -> str:
 def session(rng: random.Random) -> list[Event]:
     """One session's events in served order, built the way the gateway builds them."""
     from serving.gateway import capture
-    from serving.protocol import ChatCompletionRequest, FeedbackItem
+    from serving.protocol import FeedbackItem
 
     session_id = f"s-{uuid.UUID(int=rng.getrandbits(128)).hex}"
     task = rng.randrange(TASKS)
@@ -59,12 +59,11 @@ def session(rng: random.Random) -> list[Event]:
             "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(completion),
                       "total_tokens": len(prompt) + len(completion)},
         }
-        request = ChatCompletionRequest.model_validate(capture.upstream_request(body, "bench"))
         served = capture.extract_served(response, {"X-Flywheel-Node": "bench-node"})
         generation = capture.generation_event(
             generation_id=uuid.UUID(int=rng.getrandbits(128)).hex, tenant=TENANT, session_id=session_id,
-            model_line=MODEL_LINE, request_body=body, request=request, response_body=response, served=served,
-            latency_ms=rng.uniform(200, 900),
+            model_line=MODEL_LINE, request_body=body, response_body=response, served=served,
+            latency_ms=rng.uniform(200, 900), sampling_defaults={},
         )
         events.append(generation)
         if rng.random() < 0.2:

@@ -60,12 +60,30 @@ class _Event(BaseModel):
         return cls.model_validate(jsonpolicy.loads(raw))
 
 
+#: Logit bias: token id (as a JSON object key) -> bias in [-100, 100].
+LogitBias = dict[Annotated[str, StringConstraints(pattern=r"^[0-9]{1,10}$")], Annotated[float, Field(ge=-100, le=100)]]
+
+
 class SamplingParams(BaseModel):
+    """The sampling parameters the engine applied (the client's, else the model's defaults), as
+    ``flywheel.sampling.applied`` computes them; a generation recorded before a knob existed has
+    its neutral value."""
+
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
     temperature: float = 1.0
     top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: LogitBias | None = None
     max_tokens: int | None = None
     seed: int | None = None
+    n: int = 1
+    #: Request fields that reshaped the distribution beyond these knobs (structured output, banned
+    #: tokens...): the generation shapes rewards but is never trained on.
+    unsupported: list[str] = Field(default_factory=list)
 
 
 class GenerationEvent(_Event):
@@ -143,9 +161,19 @@ class Turn(BaseModel):
     start: int = Field(ge=0)
     end: int = Field(ge=0)
     behaviour_version: int = Field(ge=0)
-    #: The sampling distribution the behaviour logprobs belong to (the trainer's ratio needs it).
+    #: The sampling distribution the behaviour logprobs belong to (the trainer recomputes it for
+    #: its ratio: ``flywheel.sampling.processed_logprobs``); neutral values in older payloads.
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=-1)
+    min_p: float = Field(0.0, ge=0, le=1)
+    repetition_penalty: float = Field(1.0, gt=0)
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    logit_bias: LogitBias | None = None
+    #: Why the trainer must not train on this turn even though its distribution is known, e.g.
+    #: ``unsupported:response_format``; None: trainable (greedy turns are recognised by temperature).
+    untrainable: str | None = Field(None, max_length=200)
 
 
 class Segment(BaseModel):

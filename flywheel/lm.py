@@ -4,9 +4,10 @@
   fp32, in eval mode. Thread counts are left to the caller.
 - :func:`generate` samples a batch (left padding, attention mask, KV cache) and returns, per
   prompt, the sampled token ids and the log-probability of each under the distribution it was
-  drawn from (after temperature and top-p), which is what importance-sampling corrections need.
-  Generation stops after ``eos_token_id`` (included) or ``max_new_tokens``. ``temperature <= 0``
-  means greedy decoding, with log-probability 0 (the distribution is a point mass).
+  drawn from (the processed distribution of ``flywheel.sampling``: logit bias, penalties,
+  temperature, min-p, top-k, top-p), which is what importance-sampling corrections need.
+  Generation stops after ``eos_token_id`` (included) or ``max_new_tokens``. A temperature
+  below 1e-5 means greedy decoding, with log-probability 0 (the distribution is a point mass).
 - :func:`export_state` / :func:`load_state`: the model's weights as a flat name -> bf16 tensor
   dict, the thing versions are made of. Names are ``model.named_parameters()``, so tied weights
   appear once, under their first name (``model.embed_tokens.weight``; ``lm_head.weight`` is left
@@ -22,6 +23,8 @@ from typing import Literal
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from transformers.utils import logging as hf_logging
+
+from flywheel.sampling import Processing, processed_logprobs
 
 hf_logging.disable_progress_bar()  # a server's log is no place for progress bars
 
@@ -55,17 +58,12 @@ def completion_text(tokenizer, token_ids: list[int]) -> str:
     return tokenizer.decode(token_ids, skip_special_tokens=True)
 
 
-def _pick(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator | None):
-    """Sample one token per row from ``logits`` [B, V]; returns (ids [B], logprobs [B])."""
-    if temperature <= 0:
-        return logits.argmax(dim=-1), torch.zeros(logits.shape[0])
-    logp = torch.log_softmax(logits / temperature, dim=-1)
-    if top_p < 1.0:
-        sorted_logp, order = logp.sort(dim=-1, descending=True)
-        mass_before = sorted_logp.exp().cumsum(dim=-1) - sorted_logp.exp()
-        sorted_logp = sorted_logp.masked_fill(mass_before >= top_p, float("-inf"))
-        logp = torch.full_like(logp, float("-inf")).scatter(-1, order, sorted_logp)
-        logp = torch.log_softmax(logp, dim=-1)
+def _pick(logits: torch.Tensor, p: Processing, gen: torch.Generator | None, seen: torch.Tensor | None,
+          counts: torch.Tensor | None):
+    """Sample one token per row from ``logits`` [B, V] under ``p``; returns (ids [B], logprobs [B])."""
+    logp = processed_logprobs(logits, p, seen=seen, output_counts=counts)
+    if p.greedy:
+        return logp.argmax(dim=-1), torch.zeros(logits.shape[0])
     ids = torch.multinomial(logp.exp(), 1, generator=gen).squeeze(-1)
     return ids, logp.gather(-1, ids[:, None]).squeeze(-1)
 
@@ -78,15 +76,19 @@ def generate(
     max_new_tokens: int,
     temperature: float = 1.0,
     top_p: float = 1.0,
+    processing: Processing | None = None,
     seed: int | None = None,
     eos_token_id: int,
 ) -> list[Sample]:
-    """Sample one completion per prompt. Deterministic for a given ``seed`` and batch."""
+    """Sample one completion per prompt under ``processing`` (default: ``temperature`` and ``top_p``
+    alone). Deterministic for a given ``seed`` and batch."""
     if not prompts:
         return []
     if any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
-    if not 0.0 < top_p <= 1.0:
+    if processing is None:
+        processing = Processing(temperature=temperature, top_p=top_p)
+    if not 0.0 < processing.top_p <= 1.0:
         raise ValueError("top_p must be in (0, 1]")
     gen = None
     if seed is not None:
@@ -110,8 +112,19 @@ def generate(
     tokens: list[list[int]] = [[] for _ in range(n)]
     logprobs: list[list[float]] = [[] for _ in range(n)]
     done = torch.zeros(n, dtype=torch.bool)
+    seen = counts = None
+    if processing.penalised:  # the history penalties look at: the prompt, then each sampled token
+        vocab = logits.shape[-1]
+        seen = torch.zeros((n, vocab), dtype=torch.bool)
+        counts = torch.zeros((n, vocab), dtype=torch.int32)
+        for i, p in enumerate(prompts):
+            seen[i, torch.tensor(p, dtype=torch.long)] = True
     for step in range(max_new_tokens):
-        ids, lps = _pick(logits.float(), temperature, top_p, gen)
+        ids, lps = _pick(logits.float(), processing, gen, seen, counts)
+        if seen is not None and counts is not None:
+            rows = torch.arange(n)
+            seen[rows, ids] = True
+            counts[rows, ids] += 1
         for i in range(n):
             if not done[i]:
                 tokens[i].append(int(ids[i]))

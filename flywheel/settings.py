@@ -273,6 +273,11 @@ class NodeSettings(_Section):
     #: Where versions are written for vLLM to read (it must see the same path); empty:
     #: ``{data_dir}/vllm``.
     vllm_work_dir: str = ""
+    #: Where the engine's sampling defaults come from, for what a request leaves unset (vLLM's
+    #: ``--generation-config``, which must say the same): ``auto``, the model directory's
+    #: generation_config.json (vLLM's default), or ``vllm``, OpenAI's neutral defaults. The node's
+    #: heartbeat carries them, so the gateway records the parameters the engine applied.
+    generation_config: Literal["auto", "vllm"] = "auto"
     #: Extra seconds each built-in generation takes before it is returned (0: none). Benchmarks set
     #: it to stand in for a production model's serving time without spending CPU on it.
     simulated_latency_s: float = Field(0.0, ge=0, le=60)

@@ -87,12 +87,17 @@ def build_segments(generations: Sequence[GenerationEvent]) -> list[Segment]:
 
 
 def turn_of(gen: GenerationEvent, start: int, end: int) -> Turn:
-    """The turn ``gen`` becomes; raises ``ValueError`` (pydantic's) for sampling a trajectory cannot
-    carry (a negative temperature, ``top_p`` outside (0, 1]), so ingest can dead-letter such a
-    generation instead of failing every later close of its session."""
+    """The turn ``gen`` becomes, carrying the sampling distribution its logprobs belong to; raises
+    ``ValueError`` (pydantic's) for sampling a trajectory cannot carry (a negative temperature,
+    ``top_p`` outside (0, 1], a logit bias beyond +-100), so ingest can dead-letter such a generation
+    instead of failing every later close of its session."""
+    s = gen.sampling
     return Turn(
-        generation_id=gen.generation_id, start=start, end=end,
-        behaviour_version=gen.model_version, temperature=gen.sampling.temperature, top_p=gen.sampling.top_p,
+        generation_id=gen.generation_id, start=start, end=end, behaviour_version=gen.model_version,
+        temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
+        repetition_penalty=s.repetition_penalty, presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty, logit_bias=s.logit_bias,
+        untrainable=f"unsupported:{','.join(s.unsupported)}"[:200] if s.unsupported else None,
     )
 
 

@@ -75,6 +75,14 @@ class _SamplingFields(BaseModel):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
+    # vLLM's sampling extensions, with vLLM's ranges (SamplingParams._verify_args, vllm/sampling_params.py).
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0, le=1)
+    repetition_penalty: float | None = Field(None, gt=0, le=10)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    #: Token id (a JSON key) -> bias in [-100, 100], as OpenAI documents it.
+    logit_bias: dict[str, float] | None = None
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
     n: int | None = Field(1, ge=1, le=128)
     stop: str | list[str] | None = None
@@ -193,6 +201,12 @@ def parse_completion_request(body: Any) -> CompletionRequest:
 def _check_common(req: _SamplingFields) -> None:
     if req.n not in (None, 1):
         raise APIError(400, "only n=1 is supported", param="n")
+    for token, bias in (req.logit_bias or {}).items():
+        if not token.isdigit() or len(token) > 10:
+            raise APIError(400, f"logit_bias keys are token ids; {token[:40]!r} is not one", param="logit_bias")
+        if not -100 <= bias <= 100:
+            raise APIError(400, f"logit_bias for token {token} is {bias}; biases lie in [-100, 100]",
+                           param="logit_bias")
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
 

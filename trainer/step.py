@@ -11,14 +11,17 @@ selftest (trainer/selftest.py) are its callers.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
+from dataclasses import replace
 from statistics import fmean
 from typing import Any
 
 import torch
 
 from flywheel.events import ScoredTrajectory
+from flywheel.sampling import history, processed_logprobs
 from flywheel.settings import TrainerSettings
-from trainer.buffer import behaviour_version, collate, sample_tokens
+from trainer.buffer import ProcessedTurn, behaviour_version, collate, sample_tokens
 from trainer.distributed import SINGLE, Dist, placeholder_batch
 from trainer.loss import policy_loss, turn_values
 
@@ -42,11 +45,26 @@ def micro_batches(samples: list[ScoredTrajectory], budget: int) -> list[list[int
     return groups
 
 
-def token_logprobs(model: torch.nn.Module, tokens: torch.Tensor, attention: torch.Tensor) -> torch.Tensor:
-    """``[B, T]``: position ``t`` is ``log p(tokens[:, t] | tokens[:, :t])``; position 0 (no context) is 0."""
+def token_logprobs(model: torch.nn.Module, tokens: torch.Tensor, attention: torch.Tensor,
+                   processed: Sequence[ProcessedTurn] = ()) -> torch.Tensor:
+    """``[B, T]``: position ``t`` is ``log p(tokens[:, t] | tokens[:, :t])``; position 0 (no context) is 0.
+
+    ``p`` is the model's own distribution, except on the ``processed`` turns ``(row, start, end,
+    processing)``: there it is the processed distribution the engine sampled from
+    (``flywheel.sampling.processed_logprobs``, with the row's tokens before each position as the
+    penalties' history), so the importance ratio compares like with like. A token that the
+    processing drops under these weights gets ``-inf``."""
     logits = model(input_ids=tokens, attention_mask=attention).logits.float()  # [B, T, V]
     picked = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, tokens[:, 1:, None]).squeeze(-1)
-    return torch.cat([torch.zeros_like(picked[:, :1]), picked], dim=1)
+    out = torch.cat([torch.zeros_like(picked[:, :1]), picked], dim=1)
+    for row, start, end, processing in processed:
+        sampled = tokens[row, start:end]
+        seen = counts = None
+        if processing.penalised:
+            seen, counts = history(tokens[row, :start], sampled, logits.shape[-1])
+        logp = processed_logprobs(logits[row, start - 1 : end - 1], processing, seen=seen, output_counts=counts)
+        out[row, start:end] = logp.gather(-1, sampled[:, None]).squeeze(-1)
+    return out
 
 
 def train_step(
@@ -82,14 +100,23 @@ def train_step(
     optimizer.zero_grad(set_to_none=True)
     sums = {"loss": 0.0, "clip_frac": 0.0, "trunc_frac": 0.0, "mean_ratio": 0.0, "mean_abs_log_ratio": 0.0, "kl": 0.0}
     parity: list[float] = []
+    completion_tokens, masked = 0, Counter[str]()
     for idx, batch in batches:
         batch = batch.to(dist.device)
+        completion_tokens += batch.completion_tokens
+        masked.update(batch.masked)
         with dist.autocast():
-            logp_new = token_logprobs(model, batch.tokens, batch.attention)
+            logp_new = token_logprobs(model, batch.tokens, batch.attention, batch.processed)
             logp_ref = None
             if reference is not None and cfg.kl_coef > 0:
                 with torch.no_grad():
                     logp_ref = token_logprobs(reference, batch.tokens, batch.attention)
+        # A token the processing drops under the current weights (the behaviour kept it) has
+        # probability 0 under the policy: ratio 0, no gradient; it is left out and counted.
+        outside = (batch.mask > 0) & ~torch.isfinite(logp_new.detach())
+        if bool(outside.any()):
+            masked["outside_support"] += int(outside.sum())
+            batch = replace(batch, mask=batch.mask.masked_fill(outside, 0.0))
         out = policy_loss(logp_new, batch.logp_behaviour, batch.advantages, batch.mask, cfg.clip_eps,
                           cfg.is_truncation, normalizer=step_tokens, logp_ref=logp_ref, kl_coef=cfg.kl_coef)
         (out.loss * dist.grad_scale).backward()
@@ -107,7 +134,10 @@ def train_step(
     metrics: dict[str, Any] = {"loss": dist.all_reduce_sum(sums.pop("loss"))}
     metrics.update({key: dist.all_reduce_sum(value) / max(step_tokens, 1) for key, value in sums.items()})
     metrics.update(grad_norm=grad_norm, tokens=float(step_tokens), samples=float(len(samples)),
-                   mean_reward=fmean(s.total_reward for s in samples))
+                   mean_reward=fmean(s.total_reward for s in samples),
+                   completion_tokens=float(dist.all_reduce_sum(completion_tokens)),
+                   masked=dict(sorted(sum((Counter(part) for part in dist.all_gather_object(dict(masked))),
+                                          Counter()).items())))
     metrics["staleness"] = dict(Counter(str(current_version - behaviour_version(s)) for s in samples))  # type: ignore[operator]
     if measure_parity:
         diffs = torch.tensor([d for part in dist.all_gather_object(parity) for d in part])

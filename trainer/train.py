@@ -45,9 +45,13 @@ offsets -> cleanup.
   trained (a rollout gate: serving/rollout.py), measured on the first step after that version was
   loaded or published, where the fp32 master still equals it (up to bf16 rounding, itself part of
   the train/inference mismatch this measures); later steps have moved the master away.
-- Position ``t`` of ``logp_new`` is ``log p(token t | tokens < t)`` at temperature 1, which is what
-  the served logprobs are when the engine samples at temperature 1 and top_p 1; turns sampled
-  otherwise (each turn records its sampling) are masked out of the loss (``trainer.buffer``).
+- Position ``t`` of ``logp_new`` is ``log p(token t | tokens < t)`` under the distribution the
+  turn was sampled from: each turn records its sampling (temperature, top-p, top-k, min-p,
+  penalties, logit bias), and the trainer recomputes that processed distribution
+  (``flywheel.sampling``, ``trainer.step.token_logprobs``), so the ratio and the parity are exact
+  whatever the product's settings. Greedy turns and turns sampled with a knob it cannot recompute
+  shape rewards but are masked out of the loss; the version's metrics count them by reason
+  (``masked_tokens``) beside ``completion_tokens``.
 """
 
 from __future__ import annotations
@@ -354,6 +358,13 @@ def summarise(window: list[dict[str, Any]], counters: dict[str, int]) -> dict[st
         out["parity_max"] = max(maxima)
     out["samples"] = int(sum(m["samples"] for m in window))
     out["tokens"] = int(sum(m["tokens"] for m in window))
+    # Completion tokens of the trajectories taken, and those left out of training by reason
+    # (greedy, unsupported:<knob>, outside_support): tokens / completion_tokens is the trainable share.
+    out["completion_tokens"] = int(sum(m.get("completion_tokens", 0) for m in window))
+    masked: Counter[str] = Counter()
+    for m in window:
+        masked.update(m.get("masked", {}))
+    out["masked_tokens"] = {reason: int(n) for reason, n in sorted(masked.items())}
     out["steps"] = len(window)
     staleness: Counter[str] = Counter()
     for m in window:

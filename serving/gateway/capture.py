@@ -6,7 +6,9 @@ Invariants:
   returned them and the version the upstream names; a response without them cannot be captured
   and is an upstream error (:class:`CaptureError`), never a silently partial event.
 - The response the client sees loses only what the gateway itself asked for (logprobs, token ids,
-  prompt token ids, the usage chunk of a stream) and the client did not.
+  prompt token ids, the usage chunk of a stream, the reasoning of a client that sent
+  ``include_reasoning: false``) and the client did not. The gateway adds nothing that shapes
+  sampling; the event records what the engine applied (``flywheel.sampling.applied``).
 - A stream is captured whole or not at all: :class:`StreamAssembler` folds the upstream's chunks
   into the body a non-streaming call would have returned, and only a stream that reached its end
   yields a :class:`Served`; the event then has the same shape as a non-streaming one.
@@ -25,6 +27,7 @@ from typing import Any, Literal
 
 import orjson
 
+from flywheel import sampling
 from flywheel.events import FEEDBACK_SIGNALS, FeedbackEvent, GenerationEvent, SamplingParams, feedback_event_id
 from serving.protocol import (
     MODEL_VERSION_HEADER,
@@ -125,14 +128,11 @@ def _is_int_list(value: Any) -> bool:
     return type(value) is list and all(type(v) is int for v in value)  # not bool, not a subclass
 
 
-def sampling_params(request: Request) -> SamplingParams:
-    """The sampling parameters as the engine applied them (OpenAI defaults where the client sent none)."""
-    return SamplingParams(
-        temperature=1.0 if request.temperature is None else request.temperature,
-        top_p=1.0 if request.top_p is None else request.top_p,
-        max_tokens=getattr(request, "max_completion_tokens", None) or request.max_tokens,
-        seed=request.seed,
-    )
+def sampling_params(body: Mapping[str, Any], defaults: Mapping[str, Any]) -> SamplingParams:
+    """The sampling parameters the engine applied to the client's ``body``: the client's values,
+    else the engine's ``defaults`` (its heartbeat's: the model's generation_config.json), else
+    OpenAI's; plus the knobs that reshape the distribution beyond what the trainer recomputes."""
+    return SamplingParams(**sampling.applied(body, defaults), unsupported=sampling.unsupported_knobs(body))
 
 
 def generation_event(
@@ -142,10 +142,10 @@ def generation_event(
     session_id: str,
     model_line: str,
     request_body: dict[str, Any],
-    request: Request,
     response_body: dict[str, Any],
     served: Served,
     latency_ms: float,
+    sampling_defaults: Mapping[str, Any],
 ) -> GenerationEvent:
     return GenerationEvent(
         tenant=tenant,
@@ -159,39 +159,51 @@ def generation_event(
         prompt_token_ids=served.prompt_token_ids,
         completion_token_ids=served.completion_token_ids,
         completion_logprobs=served.completion_logprobs,
-        sampling=sampling_params(request),
+        sampling=sampling_params(request_body, sampling_defaults),
         finish_reason=served.finish_reason,
         latency_ms=max(0.0, latency_ms),
     )
 
 
 def upstream_request(body: dict[str, Any], default_model: str, kind: Kind = "chat") -> dict[str, Any]:
-    """The client's body with everything capture needs forced on: the sampled tokens' logprobs,
-    prompt and completion token ids, explicit temperature and top-p, and for a stream the final
-    usage chunk."""
+    """The client's body with what capture needs forced on: the sampled tokens' logprobs, prompt
+    and completion token ids, token ids and logprobs even when reasoning is hidden from the client,
+    and for a stream the final usage chunk. Nothing that shapes sampling is added: the engine
+    applies the client's knobs, else the model's defaults, and the event records which."""
     out = dict(body)
     if out.get("model") is None:
         out["model"] = default_model
-    # Explicit, so the engine cannot substitute its own defaults (vLLM applies a model's
-    # generation_config otherwise) and the recorded sampling parameters are the ones used.
-    for name in ("temperature", "top_p"):
-        if out.get(name) is None:
-            out[name] = 1.0
     if kind == "chat":
         out["logprobs"] = True
     elif not isinstance(out.get("logprobs"), int):
         out["logprobs"] = 0
     out["return_token_ids"] = True
+    # vLLM drops token ids and logprobs with include_reasoning false; the reasoning is cut from what
+    # the client gets instead (client_response, client_chunk).
+    out.pop("include_reasoning", None)
     if out.get("stream") is True:
         options = out.get("stream_options")
         out["stream_options"] = {**(options if isinstance(options, dict) else {}), "include_usage": True}
     return out
 
 
+#: Where vLLM puts a reasoning model's thinking: the message (or stream delta) fields
+#: ``reasoning_content`` (0.18) and ``reasoning`` (0.33).
+REASONING_FIELDS = ("reasoning_content", "reasoning")
+
+
+def _hides_reasoning(request: Request) -> bool:
+    return (request.model_extra or {}).get("include_reasoning") is False
+
+
 def _strip_choice(choice: Any, request: Request) -> Any:
     if not isinstance(choice, dict):
         return choice
     choice = dict(choice)
+    if _hides_reasoning(request):
+        for part in ("message", "delta"):
+            if isinstance(choice.get(part), dict) and any(f in choice[part] for f in REASONING_FIELDS):
+                choice[part] = {k: v for k, v in choice[part].items() if k not in REASONING_FIELDS}
     if not request.wants_logprobs and "logprobs" in choice:
         choice["logprobs"] = None
     if not request.return_token_ids:

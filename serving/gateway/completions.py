@@ -291,8 +291,8 @@ class CompletionServing:
         try:
             event = capture.generation_event(
                 generation_id=call.generation_id, tenant=call.tenant, session_id=call.session_id,
-                model_line=self.settings.model.line, request_body=call.body, request=call.request,
-                response_body=response_body, served=served, latency_ms=upstream_s * 1000.0,
+                model_line=self.settings.model.line, request_body=call.body, response_body=response_body,
+                served=served, latency_ms=upstream_s * 1000.0, sampling_defaults=dict(call.target.sampling_defaults),
             )
         except ValidationError as exc:  # e.g. non-finite logprobs: never a partial or lossy event
             raise bad_upstream_response(exc, call.headers) from None

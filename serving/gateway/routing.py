@@ -79,6 +79,9 @@ class NodeInfo:
     #: (version, model name) for every version held, when the node serves each version under its
     #: own model name (heartbeat ``model_names``); None for a node that names versions itself.
     model_names: tuple[tuple[int, str], ...] | None = None
+    #: The sampling defaults the node's engine applies to what a request leaves unset (heartbeat
+    #: ``sampling_defaults``: the model's generation_config.json, ``flywheel.sampling``).
+    sampling_defaults: tuple[tuple[str, Any], ...] = ()
 
     def model_for(self, version: int | None) -> str | None:
         """The ``model`` a request for ``version`` names on this node (None: not one it names)."""
@@ -96,6 +99,8 @@ class Upstream:
     names_versions: bool = False
     model: str | None = None
     version: int | None = None
+    #: What the node applies where a request is silent (:attr:`NodeInfo.sampling_defaults`).
+    sampling_defaults: tuple[tuple[str, Any], ...] = ()
 
     @property
     def unavailable(self) -> bool:
@@ -154,8 +159,10 @@ def nodes_from_heartbeats(beats: Mapping[str, Mapping[str, Any]], model_line: st
                      and isinstance(m, str) and m}
             versions = tuple(v for v in versions if v in named)
             model_names = tuple((v, named[v]) for v in versions)
+        defaults = beat.get("sampling_defaults")
+        defaults = tuple(sorted(defaults.items())) if isinstance(defaults, dict) else ()
         nodes.append(NodeInfo(node_id, url.rstrip("/"), live, versions, str(beat.get("status", "")),
-                              str(beat.get("region", "")), model_names))
+                              str(beat.get("region", "")), model_names, defaults))
     return nodes
 
 
@@ -237,9 +244,10 @@ class Router:
             return Upstream(self.fallback)
         node = nodes[next(self._turn) % len(nodes)]
         if node.model_names is None:
-            return Upstream(node.url, node.node_id)
+            return Upstream(node.url, node.node_id, sampling_defaults=node.sampling_defaults)
         served = node.live_version if version is None else version
-        return Upstream(node.url, node.node_id, names_versions=True, model=node.model_for(served), version=served)
+        return Upstream(node.url, node.node_id, names_versions=True, model=node.model_for(served), version=served,
+                        sampling_defaults=node.sampling_defaults)
 
     def live_versions(self) -> dict[str, Any]:
         """The line, its stable and canary versions, and the versions live on nodes with their ids."""

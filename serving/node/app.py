@@ -30,8 +30,14 @@ Response contract (OpenAI plus vLLM-style extras):
 Invariants: the version reported is the one whose weights sampled the tokens (taken from the
 engine's completion, not read separately), and the one the request named, if it named one;
 unsupported options (``n > 1``, ``top_logprobs > 0``, legacy ``logprobs > 0``, ``echo``,
-``suffix``) are a 400, never silently ignored; every error a request can meet (bad input, context
-overflow, engine not ready, version not held) is answered before a stream starts. ``stop`` is
+``suffix``, and any knob that would reshape the distribution beyond what ``flywheel.sampling``
+computes: structured output, banned or required tokens, ``min_tokens``...) are a 400, never
+silently ignored; the knobs it does honour (temperature, top-p, top-k, min-p, the repetition,
+presence and frequency penalties, logit bias) shape the distribution exactly as vLLM's sampler
+does, the model's generation_config.json filling what a request leaves unset
+(``node.generation_config``), and the logprobs returned are those of that processed
+distribution; every error a request can meet (bad input, context overflow, engine not ready,
+version not held) is answered before a stream starts. ``stop`` is
 accepted and ignored (generation stops at eos or the token budget).
 
 Admin surface: ``POST /admin/update_weights`` only answers loopback clients (the peer address of
@@ -57,6 +63,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from jinja2 import TemplateError
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from flywheel import sampling
+from flywheel.sampling import Processing
 from flywheel.settings import Settings
 from serving.errors import APIError, from_pydantic, install_error_handlers
 from serving.node.engine import Completion, Engine, EngineNotReady, GenerationRequest, VersionUnavailable
@@ -300,12 +308,30 @@ def create_app(engine: Engine, updater: Any = None, settings: Settings | None = 
             raise APIError(404, f"the model `{model}` does not exist; this node serves `{model_name}`",
                            param="model", code="model_not_found")
 
+    def processing_for(body: dict[str, Any]) -> tuple[Processing, int | None]:
+        """The distribution to sample from (the request's knobs, else the model's defaults) and the
+        default token budget; a 400 for a knob the engine cannot honour exactly."""
+        unsupported = sampling.unsupported_knobs(body)
+        if unsupported:
+            raise APIError(400, f"`{unsupported[0]}` is not supported by the built-in engine (it would sample "
+                           "from another distribution than asked); leave it out or serve with vLLM",
+                           param=unsupported[0])
+        applied = sampling.applied(body, engine.sampling_defaults)
+        vocab = len(engine.tokenizer)
+        bad = next((t for t in applied["logit_bias"] or {} if int(t) >= vocab), None)
+        if bad is not None:
+            raise APIError(400, f"logit_bias names token id {bad}, outside the vocabulary (0..{vocab - 1})",
+                           param="logit_bias")
+        return Processing.of(applied), applied["max_tokens"]
+
     async def generate(
-        request: Request, req: ChatCompletionRequest | CompletionRequest, prompt_ids: list[int], prompt_param: str
+        request: Request, req: ChatCompletionRequest | CompletionRequest, body: dict[str, Any], prompt_ids: list[int],
+        prompt_param: str,
     ) -> Completion:
+        processing, default_max = processing_for(body)
         if not prompt_ids:
             raise APIError(400, f"the {prompt_param} encode to an empty prompt", param=prompt_param)
-        max_new = req.max_new_tokens(settings.node.max_new_tokens)
+        max_new = req.max_new_tokens(default_max or settings.node.max_new_tokens)
         if engine.max_context is not None and len(prompt_ids) + max_new > engine.max_context:
             raise APIError(
                 400,
@@ -317,8 +343,7 @@ def create_app(engine: Engine, updater: Any = None, settings: Settings | None = 
         gen = GenerationRequest(
             prompt_ids=prompt_ids,
             max_new_tokens=max_new,
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
+            processing=processing,
             seed=req.seed,
             version=requested_version(request),
         )
@@ -335,7 +360,8 @@ def create_app(engine: Engine, updater: Any = None, settings: Settings | None = 
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        chat = parse_chat_request(await read_json_body(request, max_body_bytes, body_timeout_s))
+        body = await read_json_body(request, max_body_bytes, body_timeout_s)
+        chat = parse_chat_request(body)
         check_model(chat.model)
         if chat.top_logprobs:
             raise APIError(400, "top_logprobs > 0 is not supported yet; use 0 or omit it", param="top_logprobs")
@@ -343,7 +369,7 @@ def create_app(engine: Engine, updater: Any = None, settings: Settings | None = 
             prompt_ids = engine.prompt_ids(chat.plain_messages())
         except TemplateError as exc:
             raise APIError(400, f"the model's chat template rejects these messages: {exc}", param="messages") from None
-        completion = await generate(request, chat, prompt_ids, "messages")
+        completion = await generate(request, chat, body, prompt_ids, "messages")
         headers = {MODEL_VERSION_HEADER: str(completion.version), NODE_HEADER: node_id}
         if chat.stream:
             return stream_response(chat_chunks(engine, chat, model_name, prompt_ids, completion), headers)
@@ -351,7 +377,8 @@ def create_app(engine: Engine, updater: Any = None, settings: Settings | None = 
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        req = parse_completion_request(await read_json_body(request, max_body_bytes, body_timeout_s))
+        body = await read_json_body(request, max_body_bytes, body_timeout_s)
+        req = parse_completion_request(body)
         check_model(req.model)
         if req.logprobs:
             raise APIError(400, "logprobs > 0 (alternatives per token) is not supported yet; use 0 or omit it",
@@ -364,7 +391,7 @@ def create_app(engine: Engine, updater: Any = None, settings: Settings | None = 
             if bad is not None:
                 raise APIError(400, f"prompt token id {bad} is outside the vocabulary (0..{vocab - 1})", param="prompt")
             prompt_ids = list(req.prompt)  # type: ignore[arg-type]
-        completion = await generate(request, req, prompt_ids, "prompt")
+        completion = await generate(request, req, body, prompt_ids, "prompt")
         headers = {MODEL_VERSION_HEADER: str(completion.version), NODE_HEADER: node_id}
         if req.stream:
             return stream_response(text_completion_chunks(engine, req, model_name, prompt_ids, completion), headers)

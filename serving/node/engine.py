@@ -11,7 +11,7 @@ request that names no version gets. A request may name any held version (``versi
 names a version the engine does not hold fails with :class:`VersionUnavailable`, which lists what
 it holds. Concurrent requests queue up; the worker takes what is waiting (up to ``max_batch``,
 waiting at most ``batch_window_s`` for company) and runs one batched ``generate`` per group of
-requests that share version, temperature and top-p. Seeded requests run alone, so a seed
+requests that share version and sampling processing (``flywheel.sampling``). Seeded requests run alone, so a seed
 reproduces the same completion whatever else is in flight.
 
 Invariants:
@@ -46,6 +46,7 @@ from typing import Any
 import torch
 
 from flywheel import lm
+from flywheel.sampling import NEUTRAL, Processing, node_defaults
 from flywheel.settings import Settings
 from flywheel.weights.codec.state import state_sha256
 
@@ -69,8 +70,8 @@ class VersionUnavailable(LookupError):
 class GenerationRequest:
     prompt_ids: list[int]
     max_new_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
+    #: The sampled distribution's shaping (temperature, top-p, top-k, min-p, penalties, bias).
+    processing: Processing = NEUTRAL
     seed: int | None = None
     #: The model version to sample from; None: the live one.
     version: int | None = None
@@ -115,6 +116,8 @@ class Engine:
         self.keep_versions = settings.node.keep_versions
         model, self.tokenizer = lm.load_model(self.model_dir)
         self.eos_token_id = int(self.tokenizer.eos_token_id)
+        #: What a request that leaves a sampling knob unset gets (``node.generation_config``).
+        self.sampling_defaults = node_defaults(settings, self.model_dir)
         self.max_context = int(getattr(model.config, "max_position_embeddings", 0) or 0) or None
         state = lm.export_state(model)
         self._live = _Slot(model, state, state_sha256(state))
@@ -303,8 +306,7 @@ class Engine:
                     slot.model,
                     [p.request.prompt_ids for p in live],
                     max_new_tokens=max(p.request.max_new_tokens for p in live),
-                    temperature=first.temperature,
-                    top_p=first.top_p,
+                    processing=first.processing,
                     seed=first.seed,
                     eos_token_id=self.eos_token_id,
                 )
@@ -327,8 +329,8 @@ class Engine:
 
 def group_requests(batch: list[_Pending], live: int | None = None) -> list[list[_Pending]]:
     """Requests that can share one ``generate`` call: same version (one that names none counts as
-    ``live``), temperature and top-p, no seed. A group never holds two different named versions."""
-    groups: dict[tuple[int | None, float, float], list[_Pending]] = {}
+    ``live``) and processing, no seed. A group never holds two different named versions."""
+    groups: dict[tuple[int | None, Processing], list[_Pending]] = {}
     alone: list[list[_Pending]] = []
     for pending in batch:
         r = pending.request
@@ -336,7 +338,7 @@ def group_requests(batch: list[_Pending], live: int | None = None) -> list[list[
             alone.append([pending])
         else:
             version = r.version if r.version is not None else live
-            groups.setdefault((version, r.temperature, r.top_p), []).append(pending)
+            groups.setdefault((version, r.processing), []).append(pending)
     return [*groups.values(), *alone]
 
 

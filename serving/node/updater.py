@@ -18,7 +18,8 @@ Invariants:
   heartbeat (also ``versions``: the versions held, ``url``: where the gateway reaches the node,
   and for an engine that serves each version under its own model name, a vLLM server in LoRA
   mode, ``model_names``: ``{"<version>": "<model>"}`` for every version held, the ``model`` the
-  gateway must send) are refreshed on every change and at least every ``db_heartbeat_s`` (the
+  gateway must send; ``sampling_defaults``: what the engine applies where a request is silent,
+  ``flywheel.sampling.node_defaults``) are refreshed on every change and at least every ``db_heartbeat_s`` (the
   heartbeat on every poll).
 - One update at a time: the poll thread and the admin endpoint share a lock.
 """
@@ -33,6 +34,7 @@ from typing import Any
 
 from flywheel.db.models import Node
 from flywheel.events import utcnow
+from flywheel.sampling import node_defaults
 from flywheel.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -65,6 +67,8 @@ class Updater:
         self.live = live
         self.url = url or node_url(settings)
         self.db_heartbeat_s = db_heartbeat_s
+        #: What the engine applies where a request is silent (its heartbeat carries them).
+        self.sampling_defaults = node_defaults(settings)
         self.status = "serving"
         self.detail = ""
         self.updates = 0
@@ -182,6 +186,8 @@ class Updater:
                 "status": self.status,
                 "detail": self.detail,
             }
+            if self.sampling_defaults:
+                payload["sampling_defaults"] = self.sampling_defaults
             names = self.engine.model_names() if hasattr(self.engine, "model_names") else None
             if names is not None:
                 payload["model_names"] = {str(v): name for v, name in names.items()}

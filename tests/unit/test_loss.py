@@ -163,14 +163,18 @@ def test_buffer_trains_each_trajectory_once_newest_revision_first() -> None:
     assert buf.counters()["dropped_superseded"] == 2 and buf.counters()["dropped_already_trained"] == 1
 
 
-def test_turns_not_sampled_at_temperature_one_are_not_trained() -> None:
+def test_greedy_turns_are_not_trained_and_processed_ones_are_recomputed() -> None:
     from trainer.buffer import collate, trainable_mask
 
-    hot, cold = scored("h", [0, 0]), scored("c", [0, 0], temperature=0.0)
-    assert trainable_mask(hot.segments[0]) == hot.segments[0].mask
-    assert sum(trainable_mask(cold.segments[0])) == 0
-    batch = collate([hot, cold], [0.0, 0.0])
-    assert batch.mask[0].sum() == 2 and batch.mask[1].sum() == 0
+    hot, cold, warm = scored("h", [0, 0]), scored("c", [0, 0], temperature=0.0), scored("w", [0, 0], temperature=0.7)
+    assert trainable_mask(hot.segments[0]) == (hot.segments[0].mask, {})
+    mask, masked = trainable_mask(cold.segments[0])
+    assert sum(mask) == 0 and masked == {"greedy": 2}
+    batch = collate([hot, cold, warm], [0.0, 0.0, 0.0])
+    assert batch.mask[0].sum() == 2 and batch.mask[1].sum() == 0 and batch.mask[2].sum() == 2
+    assert batch.completion_tokens == 6 and batch.masked == {"greedy": 2}
+    # Only the warm sample's turns are recomputed under their processing (rows are segments).
+    assert {row for row, *_ in batch.processed} == {2} and all(p.temperature == 0.7 for *_, p in batch.processed)
 
 
 def test_offset_tracker_commits_only_done_prefixes() -> None:

@@ -7,6 +7,7 @@ from concurrent.futures import Future
 
 import pytest
 
+from flywheel.sampling import Processing
 from serving.gateway.routing import (
     NodeInfo,
     RoutingTable,
@@ -83,15 +84,16 @@ def test_only_versions_the_fleet_holds_are_proposed():
 
 
 def _pending(version: int | None, temperature: float = 1.0, seed: int | None = None) -> _Pending:
-    return _Pending(GenerationRequest([1, 2], 4, temperature=temperature, seed=seed, version=version), Future())
+    return _Pending(GenerationRequest([1, 2], 4, processing=Processing(temperature=temperature), seed=seed,
+                                      version=version), Future())
 
 
 def test_a_batch_is_split_by_version_and_unnamed_requests_join_the_live_one():
     batch = [_pending(None), _pending(3), _pending(2), _pending(None),
-             _pending(3, temperature=0.5), _pending(2, seed=1)]
+             _pending(3, temperature=0.5), _pending(2, seed=1), _pending(None, temperature=0.5)]
     groups = group_requests(batch, live=3)
     as_versions = sorted(sorted(p.request.version or 0 for p in g) for g in groups)
-    assert as_versions == [[0, 0, 3], [2], [2], [3]]
+    assert as_versions == [[0, 0, 3], [0, 3], [2], [2]]  # equal processing shares a batch, seeds run alone
     assert all(len({p.request.version for p in g} - {None}) <= 1 for g in groups)  # one named version per group
 
 
