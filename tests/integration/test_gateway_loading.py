@@ -26,14 +26,19 @@ pytestmark = pytest.mark.integration
 
 
 class LoadingNode(VersionEchoUpstream):
-    """Holds version 1 only ``ready_after_s`` after start; until then, 409 for it like a node does."""
+    """Holds version 1 only ``ready_after_s`` after the first request for it (so the gateway's own
+    start-up time, which varies with the machine's load, does not count); until then, 409 for it
+    like a node does."""
 
     def __init__(self, ready_after_s: float) -> None:
         super().__init__()
-        self.ready_at = time.monotonic() + ready_after_s
+        self.ready_after_s = ready_after_s
+        self.ready_at: float | None = None
         self.refused = 0
 
     async def respond(self, method, path, body, writer) -> None:  # type: ignore[no-untyped-def]
+        if path.startswith("/v1/chat") and self.version == 1 and self.ready_at is None:
+            self.ready_at = time.monotonic() + self.ready_after_s
         if path.startswith("/v1/chat") and self.version == 1 and time.monotonic() < self.ready_at:
             self.refused += 1
             return self.send(writer, 409, {"error": {
