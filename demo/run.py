@@ -50,10 +50,20 @@ class DemoOptions:
     plot_path: str | None = None
     port: int | None = None
     seed: int = 0
+    #: The product's sampling settings (temperature, top_p, top_k) where given; the rest as the
+    #: model's defaults and OpenAI's leave them.
+    sampling: tuple[tuple[str, float | int], ...] = ()
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> DemoOptions:
-        return cls(args.quick, args.minutes, args.lr, args.users, args.json_path, args.plot_path, args.port, args.seed)
+        knobs = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k}
+        return cls(args.quick, args.minutes, args.lr, args.users, args.json_path, args.plot_path, args.port, args.seed,
+                   tuple((k, v) for k, v in knobs.items() if v is not None))
+
+    @property
+    def request_sampling(self) -> dict[str, Any]:
+        """What every simulated request sends (temperature 1 when nothing is given, as before)."""
+        return dict(self.sampling) or {"temperature": 1.0}
 
     @property
     def traffic_minutes(self) -> float:
@@ -136,17 +146,22 @@ def _metric(text: str, name: str) -> float:
 
 
 class HeldoutEvaluator:
-    """Held-out success rate of registry versions, sampled at temperature 1 like the product.
+    """Held-out success rate of registry versions, sampled with the product's settings (``sampling``:
+    request fields, applied over the model's defaults as the node applies them).
 
     The same :data:`HELDOUT_N` problems and ``seed`` for every version; results are memoised, and
     each version is rebuilt from the nearest version already loaded below it on its chain.
     """
 
-    def __init__(self, model_dir: str | Path, registry: Any, seed: int, n: int = HELDOUT_N):
+    def __init__(self, model_dir: str | Path, registry: Any, seed: int, n: int = HELDOUT_N,
+                 sampling: dict[str, Any] | None = None):
         import torch
 
         from demo.tinymodel.task import heldout_problems
         from flywheel.lm import load_model
+        from flywheel.sampling import Processing, applied, generation_defaults
+
+        self.processing = Processing.of(applied(sampling or {}, generation_defaults(model_dir)))
 
         torch.set_num_threads(2)
         self.model, self.tokenizer = load_model(model_dir)
@@ -165,13 +180,15 @@ class HeldoutEvaluator:
             weights = self.registry.load(version, base=base)
             self._states = {version: weights}  # the newest loaded; versions are mostly asked in order
             load_state(self.model, weights)
-            self.results[version] = evaluate(self.model, self.tokenizer, self.problems, seed=self.seed)
+            self.results[version] = evaluate(self.model, self.tokenizer, self.problems, seed=self.seed,
+                                             processing=self.processing)
         return self.results[version]
 
 
-def _evaluate_versions(settings: Settings, registry: Any, versions: list[int], seed: int) -> dict[int, float]:
-    """Held-out success rate of each version's weights, sampled at temperature 1 like the product."""
-    evaluator = HeldoutEvaluator(settings.model.path, registry, seed)
+def _evaluate_versions(settings: Settings, registry: Any, versions: list[int], seed: int,
+                       sampling: dict[str, Any]) -> dict[int, float]:
+    """Held-out success rate of each version's weights, sampled with the product's settings."""
+    evaluator = HeldoutEvaluator(settings.model.path, registry, seed, sampling=sampling)
     return {version: evaluator(version) for version in sorted(set(versions))}
 
 
@@ -253,7 +270,8 @@ def run_demo(settings: Settings, options: DemoOptions, stop: threading.Event) ->
     with live_stack(settings, t_start) as live:
         gateway, watcher = live.gateway, live.watcher
         n_users = options.users or 8
-        pool = UserPool(gateway, settings.model.line, n_users, options.seed, max_tokens=settings.node.max_new_tokens, t0=t_start)
+        pool = UserPool(gateway, settings.model.line, n_users, options.seed, max_tokens=settings.node.max_new_tokens, t0=t_start,
+                        sampling=options.request_sampling)
         minutes = options.traffic_minutes
         print(
             f"flywheel demo: stack up in {time.monotonic() - t_start:.0f}s; {n_users} simulated users for "
@@ -295,7 +313,8 @@ def run_demo(settings: Settings, options: DemoOptions, stop: threading.Event) ->
     print("flywheel demo: evaluating shipped versions on held-out problems", flush=True)
     live_versions = [s["version"] for s in shipped]
     eval_versions = pick_spread(live_versions, 8)
-    heldout = _evaluate_versions(settings, registry, eval_versions, options.seed)
+    heldout = _evaluate_versions(settings, registry, eval_versions, options.seed, options.request_sampling)
+    trainable = _trainable_tokens(registry, versions)
     served_success = _served_success_by_version(pool)
     summary = {
         "quick": options.quick,
@@ -322,6 +341,11 @@ def run_demo(settings: Settings, options: DemoOptions, stop: threading.Event) ->
         "heldout_by_version": {str(k): v for k, v in heldout.items()},
         "heldout_success_start": heldout[eval_versions[0]],
         "heldout_success_end": heldout[eval_versions[-1]],
+        "sampling": options.request_sampling,
+        # Trainable completion tokens of the trajectories the trainer took, over all their completion
+        # tokens (the rest: greedy turns, unsupported knobs, outside the support), from version metrics.
+        "trainable_token_fraction": trainable["fraction"],
+        "masked_tokens": trainable["masked"],
         "served_success_by_version": served_success,
         "wall_seconds": round(time.monotonic() - t_start, 1),
     }
@@ -358,6 +382,19 @@ def _drain(gateway: str, sessions: Any, generation_model: Any, received: int, ti
             break
         time.sleep(1.0)
     return captured, persisted
+
+
+def _trainable_tokens(registry: Any, versions: list[Any]) -> dict[str, Any]:
+    """Over every published version's metrics: trainable tokens / completion tokens of the
+    trajectories trained, and the tokens left out by reason."""
+    tokens = completion = 0
+    masked: dict[str, int] = {}
+    for info in versions:
+        tokens += int(info.metrics.get("tokens", 0))
+        completion += int(info.metrics.get("completion_tokens", 0))
+        for reason, n in (info.metrics.get("masked_tokens") or {}).items():
+            masked[reason] = masked.get(reason, 0) + int(n)
+    return {"fraction": round(tokens / completion, 4) if completion else None, "masked": masked}
 
 
 def _served_success_by_version(pool: UserPool) -> dict[str, dict[str, float]]:
@@ -399,7 +436,11 @@ def _print_summary(s: dict[str, Any]) -> None:
             f"  v{v['version']:<7d} {v['kind']:<6s} {v['bytes']:<10d} {v['pct_of_full']:>8.2f}%  "
             f"{str(v['verified_on_node']):<8s}  {'' if h is None else f'{h:.1%}'}"
         )
-    print(f"  held-out success          {s['heldout_success_start']:.1%} -> {s['heldout_success_end']:.1%}")
+    print(f"  held-out success          {s['heldout_success_start']:.1%} -> {s['heldout_success_end']:.1%}"
+          f"  (sampling {s['sampling']})")
+    fraction = s["trainable_token_fraction"]
+    print(f"  trainable tokens          {'n/a' if fraction is None else f'{fraction:.1%}'} of completion tokens trained"
+          f"{'; left out: ' + str(s['masked_tokens']) if s['masked_tokens'] else ''}")
 
 
 def first_answers(pool: UserPool) -> list[Served]:

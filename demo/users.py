@@ -88,13 +88,16 @@ class UserPool:
     """``users`` threads, each holding one session after another until ``stop`` is set."""
 
     def __init__(self, base_url: str, model: str, users: int, seed: int, behaviour: Behaviour = Behaviour(),
-                 max_tokens: int = 32, api_key: str | None = None, t0: float | None = None):
+                 max_tokens: int = 32, api_key: str | None = None, t0: float | None = None,
+                 sampling: dict[str, Any] | None = None):
         self.base_url = base_url.rstrip("/")
         self.model = model
         self.users = users
         self.seed = seed
         self.behaviour = behaviour
         self.max_tokens = max_tokens
+        #: The product's sampling settings, sent with every request (default: temperature 1).
+        self.sampling = {"temperature": 1.0} if sampling is None else dict(sampling)
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.stats = PoolStats()
         self.t0 = time.monotonic() if t0 is None else t0
@@ -132,7 +135,7 @@ class UserPool:
                 return
             r = client.post(
                 "/v1/chat/completions",
-                json={"model": self.model, "messages": messages, "max_tokens": self.max_tokens, "temperature": 1.0},
+                json={"model": self.model, "messages": messages, "max_tokens": self.max_tokens, **self.sampling},
                 headers={"X-Flywheel-Session": session_id},
             )
             if r.status_code != 200:
