@@ -24,7 +24,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from transformers.utils import logging as hf_logging
 
-from flywheel.sampling import Processing, processed_logprobs
+from flywheel.logprobs import processed_logprobs
+from flywheel.sampling import Processing
 
 hf_logging.disable_progress_bar()  # a server's log is no place for progress bars
 

@@ -1,10 +1,12 @@
-"""The distribution a generation was sampled from: which knobs were applied, and its processed log-probabilities.
+"""The distribution a generation was sampled from: which sampling knobs an engine applied (no torch).
 
 An engine shapes the model's logits before it samples: logit bias, then the repetition, frequency
 and presence penalties, then temperature, min-p, top-k and top-p. The log-probability of a token
 under the shaped ("processed") distribution is what importance sampling needs, so the built-in
-engine samples from :func:`processed_logprobs` and the trainer recomputes the same function on its
-own logits for the ratio; with equal weights the two agree to float rounding.
+engine samples from ``flywheel.logprobs.processed_logprobs`` under a :class:`Processing` and the
+trainer recomputes the same function on its own logits for the ratio; with equal weights the two
+agree to float rounding. This module holds the parameters, and imports no torch, so the gateway
+can record them; ``flywheel/logprobs.py`` holds the maths.
 
 The order and each step mirror vLLM's V1 sampler (``vllm/v1/sample/sampler.py``, ``Sampler.forward``
 and ``Sampler.sample``, 0.18.0 and 0.33.0 alike; docs/vllm.md):
@@ -40,8 +42,6 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from flywheel.settings import Settings
 
 #: Below this temperature an engine decodes greedily (vLLM's ``_SAMPLING_EPS``).
@@ -49,6 +49,8 @@ GREEDY_BELOW = 1e-5
 #: Parameters a model's ``generation_config.json`` may set and vLLM then applies by default
 #: (``ModelConfig.get_diff_sampling_param``, vllm/config/model.py); ``max_new_tokens`` is ``max_tokens``.
 GENERATION_CONFIG_KEYS = ("repetition_penalty", "temperature", "top_k", "top_p", "min_p", "max_new_tokens")
+#: The keys :func:`generation_defaults` gives (what a node's heartbeat may announce).
+DEFAULT_KEYS = frozenset({"repetition_penalty", "temperature", "top_k", "top_p", "min_p", "max_tokens"})
 
 
 @dataclass(frozen=True)
@@ -91,70 +93,6 @@ class Processing:
 
 
 NEUTRAL = Processing()
-
-
-def processed_logprobs(
-    logits: torch.Tensor,
-    p: Processing,
-    *,
-    seen: torch.Tensor | None = None,
-    output_counts: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Log-probabilities ``[N, V]`` of the processed distribution of each row of ``logits`` ``[N, V]``
-    (module docstring, steps 1-7); dropped tokens get ``-inf``. Differentiable in ``logits``.
-
-    ``seen`` ``[N, V]`` (bool): the tokens of the prompt and of the output before each row's position;
-    ``output_counts`` ``[N, V]``: how often each token occurs in that output. Both are needed when
-    ``p.penalised``. A greedy ``p`` gives the log-softmax after bias and penalties (what vLLM returns
-    for greedy requests); its samples are never trained on.
-    """
-    logits = logits.float()
-    if p.logit_bias:
-        ids = torch.tensor([t for t, _ in p.logit_bias], dtype=torch.long, device=logits.device)
-        bias = torch.tensor([b for _, b in p.logit_bias], dtype=logits.dtype, device=logits.device)
-        logits = logits.index_add(-1, ids, bias.expand(logits.shape[0], -1))
-    if p.penalised:
-        if seen is None or output_counts is None:
-            raise ValueError("penalties need the token history (seen, output_counts)")
-        counts = output_counts.to(logits.dtype)
-        if p.repetition_penalty != 1.0:
-            scale = torch.where(logits > 0, 1.0 / p.repetition_penalty, p.repetition_penalty)
-            logits = torch.where(seen, logits * scale, logits)
-        logits = logits - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).to(logits.dtype)
-    if p.greedy:
-        return torch.log_softmax(logits, dim=-1)
-    logits = logits / p.temperature
-    drop = torch.zeros_like(logits, dtype=torch.bool)
-    if p.min_p > 0.0:
-        probs = torch.softmax(logits, dim=-1)
-        drop |= probs < probs.amax(dim=-1, keepdim=True) * p.min_p
-        logits = logits.masked_fill(drop, float("-inf"))
-    vocab = logits.shape[-1]
-    if 0 < p.top_k < vocab:
-        kth = logits.detach().topk(p.top_k, dim=-1).values[:, -1:]
-        drop |= logits < kth
-        logits = logits.masked_fill(drop, float("-inf"))
-    if p.top_p < 1.0:
-        ascending, order = logits.detach().sort(dim=-1, descending=False)
-        cumulative = torch.softmax(ascending, dim=-1).cumsum(dim=-1)
-        cut_sorted = cumulative <= 1.0 - p.top_p
-        cut_sorted[:, -1] = False  # the most likely token always stays
-        drop |= torch.zeros_like(drop).scatter(-1, order, cut_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
-    return torch.log_softmax(logits, dim=-1)
-
-
-def history(prompt: list[int] | torch.Tensor, output: torch.Tensor, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(seen, output_counts)`` ``[L, V]`` for the ``L`` positions that sample ``output`` ``[L]``
-    after ``prompt``: row ``j`` is the history before ``output[j]`` (the prompt and ``output[:j]``)."""
-    device = output.device
-    prompt_t = torch.as_tensor(prompt, dtype=torch.long, device=device)
-    in_prompt = torch.zeros(vocab, dtype=torch.bool, device=device)
-    in_prompt[prompt_t] = True
-    one_hot = torch.zeros(len(output), vocab, dtype=torch.int32, device=device)
-    one_hot[torch.arange(len(output), device=device), output] = 1
-    counts = one_hot.cumsum(dim=0) - one_hot  # tokens strictly before each position
-    return in_prompt[None, :] | (counts > 0), counts
 
 
 def generation_defaults(model_dir: str | Path) -> dict[str, Any]:
@@ -235,7 +173,7 @@ _UNSUPPORTED: dict[str, Any] = {
 
 def unsupported_knobs(body: Mapping[str, Any]) -> list[str]:
     """The request fields of ``body`` that reshape the sampled distribution in a way
-    :func:`processed_logprobs` does not reproduce (sorted). A ``tool_choice`` that forces a call
+    ``flywheel.logprobs.processed_logprobs`` does not reproduce (sorted). A ``tool_choice`` that forces a call
     (``"required"`` or a named function) counts: vLLM enforces it with structured output."""
     out = [key for key, neutral in _UNSUPPORTED.items() if key in body and not neutral(body[key])]
     choice = body.get("tool_choice")

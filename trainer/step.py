@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from flywheel.events import ScoredTrajectory
-from flywheel.sampling import history, processed_logprobs
+from flywheel.logprobs import history, processed_logprobs
 from flywheel.settings import TrainerSettings
 from trainer.buffer import ProcessedTurn, behaviour_version, collate, sample_tokens
 from trainer.distributed import SINGLE, Dist, placeholder_batch
@@ -109,8 +109,10 @@ def train_step(
             logp_new = token_logprobs(model, batch.tokens, batch.attention, batch.processed)
             logp_ref = None
             if reference is not None and cfg.kl_coef > 0:
-                with torch.no_grad():
-                    logp_ref = token_logprobs(reference, batch.tokens, batch.attention)
+                with torch.no_grad():  # the reference under the same processing: the KL compares like with like
+                    logp_ref = token_logprobs(reference, batch.tokens, batch.attention, batch.processed)
+                # A token outside the reference's processed support adds no KL estimate (d = 0).
+                logp_ref = torch.where(torch.isfinite(logp_ref), logp_ref, logp_new.detach())
         # A token the processing drops under the current weights (the behaviour kept it) has
         # probability 0 under the policy: ratio 0, no gradient; it is left out and counted.
         outside = (batch.mask > 0) & ~torch.isfinite(logp_new.detach())

@@ -47,3 +47,12 @@ def test_the_event_records_what_the_engine_applied() -> None:
     assert (s.temperature, s.top_k, s.repetition_penalty, s.top_p, s.presence_penalty) == (0.9, 20, 1.05, 1.0, 0.0)
     assert s.logit_bias == {"17": -5.0} and s.unsupported == ["response_format"]
     assert GenerationEvent.from_bytes(event.to_bytes()).sampling == s  # survives the bus
+
+
+def test_the_gateway_records_sampling_without_importing_torch() -> None:
+    import subprocess
+    import sys
+
+    code = "import sys, serving.gateway.app; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert out == "False"

@@ -9,7 +9,8 @@ import math
 import pytest
 import torch
 
-from flywheel.sampling import Processing, applied, generation_defaults, history, processed_logprobs, unsupported_knobs
+from flywheel.logprobs import history, processed_logprobs
+from flywheel.sampling import Processing, applied, generation_defaults, unsupported_knobs
 
 LN = math.log
 
