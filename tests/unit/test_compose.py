@@ -312,3 +312,19 @@ def test_the_vllm_node_and_vllm_agree_on_mode_model_and_files(compose, monkeypat
     else:
         assert "--enable-lora" in command and env.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING") in ("1", "True", "true")
     assert vllm["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
+
+
+def test_vllm_returns_the_logprobs_of_the_distribution_it_sampled_from():
+    """vLLM's default ``--logprobs-mode raw_logprobs`` returns logprobs before temperature, top-k and
+    the rest (vllm/v1/sample/sampler.py, ``Sampler.forward``); the trainer needs the processed ones.
+    The flag and its value are spelt as vLLM 0.18's ``EngineArgs`` reads them
+    (vllm/engine/arg_utils.py: ``--logprobs-mode``; vllm/config/model.py: ``LogprobsMode``)."""
+    command = SERVICES["vllm"]["command"]
+    assert arg(command, "--logprobs-mode") == "processed_logprobs"
+    # "auto" (vLLM's default) applies the model folder's generation_config.json; the node reads the
+    # same folder to record what was applied, so it must see MODEL_PATH where vLLM does.
+    assert arg(command, "--generation-config") in (None, "auto")
+    model_path = arg(command, "--model")
+    assert volume_of(SERVICES["node-vllm"], model_path) == volume_of(SERVICES["vllm"], model_path) == "models"
+    docs = (REPO / "docs" / "vllm.md").read_text()
+    assert docs.count("--logprobs-mode processed_logprobs") >= 2, "docs/vllm.md's vllm serve lines lack the flag"
