@@ -90,7 +90,7 @@ def check_url(url: str, name: str) -> str:
 
 
 #: Settings whose whole value is a secret, and settings that are URLs that may carry one.
-_SECRET_FIELDS = {("rewards", "judge_api_key")}
+_SECRET_FIELDS = {("rewards", "judge_api_key"), ("node", "vllm_api_key")}
 _URL_FIELDS = {("db", "url"), ("live", "redis_url"), ("store", "endpoint_url"), ("gateway", "upstream"),
                ("node", "vllm_url"), ("node", "url")}
 
@@ -278,6 +278,9 @@ class NodeSettings(_Section):
     #: generation_config.json (vLLM's default), or ``vllm``, OpenAI's neutral defaults. The node's
     #: heartbeat carries them, so the gateway records the parameters the engine applied.
     generation_config: Literal["auto", "vllm"] = "auto"
+    #: vLLM's ``--api-key`` (a secret: never shown): sent as ``Authorization: Bearer`` on every call
+    #: to vLLM (vLLM guards its ``/v1`` routes with it; the dev routes have no authentication).
+    vllm_api_key: str = Field("", repr=False)
     #: Extra seconds each built-in generation takes before it is returned (0: none). Benchmarks set
     #: it to stand in for a production model's serving time without spending CPU on it.
     simulated_latency_s: float = Field(0.0, ge=0, le=60)

@@ -104,7 +104,11 @@ def run_vllm(settings: Settings, stop: threading.Event | None = None) -> None:
       with the canary preloaded. On an empty registry it publishes the zero adapter as version 0.
       It waits for vLLM to answer, then must get the stable version loaded before it carries on
       (else it raises, as the built-in node does); the heartbeat carries ``node.vllm_url`` and
-      ``model_names``, which tell the gateway which ``model`` to send vLLM for each version."""
+      ``model_names``, which tell the gateway which ``model`` to send vLLM for each version.
+
+    In both modes, once vLLM answers, the node refuses to go on against a vLLM that returns raw
+    logprobs (serving/node/vllm_probe.py: start it with ``--logprobs-mode processed_logprobs``).
+    Every call to vLLM carries ``node.vllm_api_key`` as a bearer token when it is set."""
     if settings.node.vllm_mode == "lora":
         _run_vllm_lora(settings, stop or threading.Event())
         return
@@ -134,10 +138,13 @@ def run_vllm(settings: Settings, stop: threading.Event | None = None) -> None:
         gate = VersionGate()
         adapter = VllmAdapter(settings.node.vllm_url, registry, work_dir, mode="full",
                               served_model_name=settings.model.line, base_version=base.version,
-                              base_state=base_state, base_path=base_path, gate=gate)
+                              base_state=base_state, base_path=base_path, gate=gate,
+                              api_key=settings.node.vllm_api_key)
         cleanup.callback(adapter.close)
         if not adapter.wait_ready(stop):
             return
+        adapter.check_logprobs_mode()  # refuses raw logprobs before anything is served
+        adapter.prepare()  # weight-version labels (vLLM 0.33), the start-up weights labelled
         # Listen before the first heartbeat names this URL: the gateway's first requests queue in
         # the socket's backlog until the front accepts them, instead of being refused.
         sock = bind(settings.node.host, settings.node.port)
@@ -173,10 +180,12 @@ def _run_vllm_lora(settings: Settings, stop: threading.Event) -> None:
         lora_config = {"r": lora.lora_rank, "lora_alpha": lora.lora_alpha, "target_modules": list(lora.lora_targets)}
         work_dir = settings.node.vllm_work_dir or str(settings.data_path / "vllm")
         adapter = VllmAdapter(settings.node.vllm_url, registry, work_dir, mode="lora",
-                              keep_versions=settings.node.keep_versions, lora_config=lora_config)
+                              keep_versions=settings.node.keep_versions, lora_config=lora_config,
+                              api_key=settings.node.vllm_api_key)
         cleanup.callback(adapter.close)
         if not adapter.wait_ready(stop):
             return
+        adapter.check_logprobs_mode()  # refuses raw logprobs before anything is loaded
         updater = Updater(adapter, registry, settings, session_factory=sessions, live=live,
                           url=settings.node.vllm_url)
         outcome = updater.check_once()

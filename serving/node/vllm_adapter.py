@@ -44,6 +44,12 @@ Invariants:
   inside ``gate.exclusive()``, which first waits for the requests in flight; so a request that
   holds the gate shared sees one version from its start to its end. The weights file is written
   before the gate is taken.
+- Full mode: a version whose tensor names or shapes differ from the weights vLLM started from is
+  refused before vLLM is asked (vLLM reloads a file that lacks tensors with only a warning, keeping
+  the old ones). A reload counts only when ``/reset_prefix_cache`` did not say ``{"success": false}``
+  (0.33) and, on a vLLM with weight-version labels (0.33: ``/update_weight_version``), vLLM's label
+  is the version's :meth:`weight_label`; a 404 there means a vLLM without labels, and the adapter
+  carries on without them (:attr:`weight_versions` False).
 """
 
 from __future__ import annotations
@@ -66,6 +72,7 @@ import torch
 
 from flywheel.weights.codec.state import encode_full, state_sha256
 from serving.node.updater import UpdateOutcome
+from serving.node.vllm_probe import logprobs_mode
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +82,9 @@ Mode = Literal["lora", "full"]
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 FULL_WEIGHTS = "model.safetensors"
+#: ``/reset_prefix_cache`` answers ``{"success": false}`` while blocks are still held (0.33); tries.
+RESET_TRIES = 3
+RESET_RETRY_S = 0.5
 
 #: What vLLM must be started with for each mode (named in errors, so a 404 says what to fix).
 _NEEDS = {
@@ -162,6 +172,10 @@ class VllmAdapter:
         self.status = "serving"
         self.detail = ""
         self.resume_error = ""  # set when /resume failed after a reload: vLLM stays paused
+        #: Full mode: whether vLLM labels its weights (``/update_weight_version``); None: not asked yet.
+        self.weight_versions: bool | None = None
+        #: Full mode: the tensor names and shapes of the weights vLLM started from (every version must have them).
+        self._shapes = {n: tuple(t.shape) for n, t in base_state.items()} if base_state is not None else None
         if mode == "full" and base_version is not None and base_state is not None:
             sha = state_sha256(base_state)
             expected = registry.get(base_version).sha256
@@ -245,6 +259,34 @@ class VllmAdapter:
                 waited = True
             stop.wait(every_s)
         return False
+
+    def check_logprobs_mode(self) -> None:
+        """Refuse a vLLM that returns raw logprobs (serving/node/vllm_probe.py); raises
+        :class:`~serving.node.vllm_probe.LogprobsModeError` saying how to fix it."""
+        model = self.served_model_name if self.mode == "full" else self.loaded_models()[0]
+        logprobs_mode(lambda body: self._call("POST", "/v1/completions", json=body), model)
+
+    def weight_label(self, version: int) -> str:
+        """The label vLLM's weights carry while they are ``version`` (full mode, vLLM with labels)."""
+        return f"{self.line}-v{version}"
+
+    def prepare(self) -> None:
+        """Full mode, once vLLM answers: find out whether it labels its weights, and label the
+        live version's (what it started from)."""
+        if self.mode != "full":
+            return
+        with self._load_lock:
+            try:
+                self._call("GET", "/weight_info")
+                self.weight_versions = True
+            except VllmError as exc:
+                if exc.status != 404:
+                    raise
+                self.weight_versions = False
+                log.info("vLLM has no weight-version labels (GET /weight_info: 404); answers are not checked against them")
+            live = self.current()[0]
+            if self.weight_versions and live is not None:
+                self._label(live)
 
     def unload_strays(self) -> list[str]:
         """LoRA mode: unload this line's adapters that vLLM lists but this adapter does not hold
@@ -389,12 +431,13 @@ class VllmAdapter:
     def _swap_full(self, version: int, state: State, sha256: str) -> None:
         if version == self._live:
             return
+        self._check_complete(version, state)
         folder = self._materialise(self.work_dir / "full" / f"{self.line}-v{version}", state, sha256)
         with self.gate.exclusive() if self.gate is not None else contextlib.nullcontext():
             previous = self._live
             previous_folder = self._held[previous][1] if previous is not None else None
             try:
-                self._reload(folder)
+                self._reload(folder, version)
             except VllmError as exc:
                 if exc.status is not None and 400 <= exc.status < 500:
                     raise  # refused before touching the weights (dev mode off, bad request)
@@ -408,9 +451,48 @@ class VllmAdapter:
             if stale != folder:
                 shutil.rmtree(stale, ignore_errors=True)
 
-    def _reload(self, folder: Path) -> None:
+    def _check_complete(self, version: int, state: State) -> None:
+        """Refuse a full state that lacks tensors of the model (or has others, or other shapes): vLLM
+        would reload it with a warning and keep the old tensors, serving a mix under the new label."""
+        if self._shapes is None:
+            self._shapes = {n: tuple(t.shape) for n, t in state.items()}  # no base given: the first one
+            return
+        missing = sorted(set(self._shapes) - set(state))
+        extra = sorted(set(state) - set(self._shapes))
+        reshaped = sorted(n for n in set(state) & set(self._shapes) if tuple(state[n].shape) != self._shapes[n])
+        if missing or extra or reshaped:
+            def some(names: list[str]) -> str:
+                return ", ".join(names[:5]) + (f" (+{len(names) - 5} more)" if len(names) > 5 else "")
+            problems = [f"{label} {len(names)}: {some(names)}" for label, names in
+                        (("lacks", missing), ("adds", extra), ("reshapes", reshaped)) if names]
+            raise ValueError(f"version {version} is not a full state of the model vLLM serves ("
+                             f"{'; '.join(problems)}); not sent to vLLM")
+
+    def _label(self, version: int) -> None:
+        """Set vLLM's weight-version label (0.33); a 404 means a vLLM without labels: carry on without."""
+        try:
+            self._call("POST", "/update_weight_version", json={"new_version": self.weight_label(version)})
+        except VllmError as exc:
+            if exc.status != 404:
+                raise VllmError(f"labelling vLLM's weights as version {version} failed: {exc}") from exc
+            self.weight_versions = False
+
+    def _reset_prefix_cache(self) -> None:
+        """``POST /reset_prefix_cache``; 0.33 answers ``{"success": false}`` while blocks are held:
+        retried, then a failure (0.18 answers an empty 200 whatever happened)."""
+        for attempt in range(RESET_TRIES):
+            body = self._call("POST", "/reset_prefix_cache")
+            if not (isinstance(body, dict) and body.get("success") is False):
+                return
+            if attempt + 1 < RESET_TRIES:
+                time.sleep(RESET_RETRY_S)
+        raise VllmError(f"/reset_prefix_cache answered {{\"success\": false}} {RESET_TRIES} times: vLLM kept "
+                        "KV computed with the old weights")
+
+    def _reload(self, folder: Path, version: int | None = None) -> None:
         """Pause (drain), reload the weights from ``folder`` on every worker, reset the prefix
-        cache, resume. Resume is attempted whatever happened."""
+        cache, label the weights ``version`` (vLLM with labels), resume. Resume is attempted
+        whatever happened."""
         paused = False
         try:
             if self.pause:
@@ -432,7 +514,9 @@ class VllmAdapter:
             )
             if body is not None and not isinstance(body.get("results"), list):
                 raise VllmError(f"/collective_rpc answered without results: {body!r}", status=200)
-            self._call("POST", "/reset_prefix_cache")
+            self._reset_prefix_cache()
+            if self.weight_versions and version is not None:
+                self._label(version)
         finally:
             if paused:
                 try:
@@ -451,7 +535,7 @@ class VllmAdapter:
             return VllmError(f"{cause}; no file of the previous version to restore, vLLM weights unknown",
                              status=cause.status)
         try:
-            self._reload(folder)
+            self._reload(folder, previous)
         except VllmError as exc:
             self._forget()
             return VllmError(f"{cause}; restoring version {previous} failed too ({exc}): vLLM weights unknown",

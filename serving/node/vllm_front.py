@@ -31,6 +31,13 @@ the :class:`~serving.node.vllm_adapter.VllmAdapter`:
   answer that names another model than the one sent is a 502 ``bad_upstream_response``. Inside a
   stream the same envelope is the last event, with no ``[DONE]``.
 
+On a vLLM that labels its weights (0.33, the adapter's ``weight_versions``), every forwarded request
+asks for ``return_weight_versions`` and each choice's labels (``weight_versions``: the label that
+sampled each range of its tokens) must all be the stamped version's (``adapter.weight_label``):
+otherwise the answer is a 502 ``weight_version_mismatch``, never a mislabelled one (in a stream:
+the error event, no ``[DONE]``). The field reaches the client only when the client asked for it.
+Calls to vLLM carry ``Authorization: Bearer node.vllm_api_key`` when it is set.
+
 The front neither validates sampling options beyond the shared request models (vLLM does) nor
 rewrites anything else of the body: vendor fields reach vLLM untouched.
 """
@@ -214,7 +221,9 @@ class VllmFront:
         self.http: httpx.AsyncClient | None = None
 
     async def start(self) -> None:
+        key = self.settings.node.vllm_api_key
         self.http = httpx.AsyncClient(base_url=self.vllm_url, timeout=self._timeout, transport=self._transport,
+                                      headers={"Authorization": f"Bearer {key}"} if key else None,
                                       limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
 
     async def close(self) -> None:
@@ -232,8 +241,12 @@ class VllmFront:
         wanted = requested_version(request)
         hold, version = await self.hold(wanted)
         relayed = False
+        labels = _Labels(self.adapter, version, body.get("return_weight_versions") is True)
         try:
-            response = await self.send(path, {**body, "model": self.served_model})
+            forwarded = {**body, "model": self.served_model}
+            if labels.check:
+                forwarded["return_weight_versions"] = True
+            response = await self.send(path, forwarded)
             try:
                 if response.status_code != 200:
                     raise _vllm_error(response.status_code, await response.aread())
@@ -244,7 +257,7 @@ class VllmFront:
                         raise APIError(502, f"vLLM answered a stream request with content-type {content_type[:80]!r}",
                                        code="bad_upstream_response")
                     relayed = True
-                    return _HeldStream(self.relay(response, version, hold), hold, response,
+                    return _HeldStream(self.relay(response, version, hold, labels), hold, response,
                                        headers={**headers, "Cache-Control": "no-cache"})
                 raw = await response.aread()
             except httpx.HTTPError as exc:
@@ -258,7 +271,7 @@ class VllmFront:
                     raise ValueError("not a JSON object")
             except ValueError as exc:
                 raise APIError(502, f"vLLM's answer is not a JSON object: {exc}", code="bad_upstream_response") from None
-            return JSONResponse(self.stamp(answer, version), headers=headers)
+            return JSONResponse(labels.checked(self.stamp(answer, version)), headers=headers)
         finally:
             if not relayed:
                 hold.release()
@@ -305,7 +318,8 @@ class VllmFront:
                            code="bad_upstream_response")
         return {**answer, "model": self.line, "model_version": version}
 
-    async def relay(self, response: httpx.Response, version: int, hold: _Hold) -> AsyncIterator[bytes]:
+    async def relay(self, response: httpx.Response, version: int, hold: _Hold,
+                    labels: _Labels | None = None) -> AsyncIterator[bytes]:
         """vLLM's event stream, each chunk stamped; the hold is released when it ends, however."""
         try:
             async for data in sse_data(response.aiter_lines()):
@@ -322,7 +336,8 @@ class VllmFront:
                 if chunk.get("error") is not None or chunk.get("object") == "error":
                     yield _vllm_error(_status_of(chunk), json.dumps(chunk).encode()).sse()
                     return
-                yield sse_event(self.stamp(chunk, version))
+                stamped = self.stamp(chunk, version)
+                yield sse_event(labels.checked(stamped, stream=True) if labels is not None else stamped)
             raise APIError(502, "vLLM's stream ended before data: [DONE]", code="upstream_error")
         except APIError as exc:
             yield exc.sse()
@@ -376,6 +391,37 @@ class VllmFront:
         if not outcome.ok:
             raise APIError(409, f"update failed, still serving version {version}: {outcome.detail}", code="update_failed")
         return {"version": version, "sha256": sha, "status": self.updater.status, "detail": self.updater.detail}
+
+
+class _Labels:
+    """One request's check of vLLM's per-choice weight-version labels (module docstring)."""
+
+    def __init__(self, adapter: Any, version: int, client_asked: bool) -> None:
+        self.check = bool(getattr(adapter, "weight_versions", False))
+        self.expected = adapter.weight_label(version) if self.check else ""
+        self.client_asked = client_asked
+
+    def checked(self, answer: dict[str, Any], *, stream: bool = False) -> dict[str, Any]:
+        """``answer`` with every choice's labels checked, and removed unless the client asked."""
+        choices = answer.get("choices")
+        if not isinstance(choices, list):
+            return answer
+        out = []
+        for choice in choices:
+            if not isinstance(choice, dict):
+                out.append(choice)
+                continue
+            spans = choice.get("weight_versions")
+            if self.check and (spans is not None or not stream or choice.get("finish_reason") is not None):
+                found = [s.get("version") if isinstance(s, dict) else s for s in spans] if isinstance(spans, list) else spans
+                if not isinstance(found, list) or any(label != self.expected for label in found):
+                    raise APIError(502, f"vLLM says choice {choice.get('index')} was sampled by weights labelled "
+                                   f"{found!r}, not {self.expected!r}, the version this node holds; nothing is "
+                                   "answered under a version that may not have produced it", code="weight_version_mismatch")
+            if not self.client_asked and "weight_versions" in choice:
+                choice = {k: v for k, v in choice.items() if k != "weight_versions"}
+            out.append(choice)
+        return {**answer, "choices": out}
 
 
 class _HeldStream(StreamingResponse):

@@ -366,32 +366,35 @@ def test_the_trainers_adapter_versions_load_into_vllm(sessions, tmp_path: Path, 
         assert not outcome.ok and "rank is 4" in outcome.detail and len(standin.calls) == calls
 
 
-def test_the_standin_refuses_what_vllm_refuses(tmp_path: Path, rng) -> None:
+@pytest.mark.parametrize("version", ["0.18", "0.33"])
+def test_the_standin_refuses_what_vllm_refuses(tmp_path: Path, rng, version: str) -> None:
     """The stand-in's LoRA checks are not vacuous: names vLLM cannot parse, modules the model has no
-    LoRA layer for, and shapes that do not fit are refused with vLLM's messages."""
+    LoRA layer for, and shapes that do not fit are refused with vLLM's messages, as 500
+    ``InternalServerError`` (the engine's failure; tests/fixtures/vllm_standin.py cites where)."""
     layers = {f"model.layers.{i}.self_attn.{p}": (32, 32) for i in range(2) for p in ("q_proj", "v_proj")}
     good = lora_state(rng)
 
     def load(state: dict[str, torch.Tensor], name: str, standin: VllmStandIn) -> Any:
-        folder = tmp_path / name
-        folder.mkdir()
+        folder = tmp_path / version / name
+        folder.mkdir(parents=True)
         safetensors.torch.save_file(state, folder / "adapter_model.safetensors")
         (folder / "adapter_config.json").write_text(json.dumps({"r": 4, **LORA_CONFIG}))
         return httpx.post(f"{standin.url}/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(folder)})
 
-    with VllmStandIn(lora_modules=layers) as standin:
+    with VllmStandIn(lora_modules=layers, vllm_version=version) as standin:
         assert load(good, "good", standin).status_code == 200 and standin.loras["good"]["ignored"] == []
         renamed = {k.replace(".lora_A.", ".lora_down."): v for k, v in good.items()}
         r = load(renamed, "renamed", standin)
-        assert r.status_code == 400 and "is unsupported LoRA weight" in r.json()["error"]["message"]
+        assert r.status_code == 500 and "is unsupported LoRA weight" in r.json()["error"]["message"]
         mlp = {k.replace("self_attn.q_proj", "mlp.gate_proj"): v for k, v in good.items()}
         r = load(mlp, "mlp", standin)
-        assert r.status_code == 400 and "expected target modules in" in r.json()["error"]["message"]
+        assert r.status_code == 500 and "expected target modules in" in r.json()["error"]["message"]
         wide = {k: torch.cat([v, v], dim=1) if ".lora_A." in k else v for k, v in good.items()}
         r = load(wide, "wide", standin)
-        assert r.status_code == 400 and "do not fit" in r.json()["error"]["message"]
+        assert r.status_code == 500 and "do not fit" in r.json()["error"]["message"]
         elsewhere = {k.replace("layers.1.", "layers.7."): v for k, v in good.items()}
         assert load(elsewhere, "elsewhere", standin).status_code == 200  # vLLM ignores modules it lacks
+        assert r.json()["error"]["type"] == "InternalServerError"
         assert standin.loras["elsewhere"]["ignored"] == [f"model.layers.7.self_attn.{p}" for p in ("q_proj", "v_proj")]
 
 
