@@ -456,3 +456,152 @@ def test_a_restarted_lora_node_takes_over_what_vllm_holds_and_unloads_the_rest(
     assert after.unload_strays() == ["lora-restart-v0"] and after.unload_strays() == []
     assert sorted(standin.loras) == ["lora-restart-v1"] and not (tmp_path / "work" / "lora-restart-v0").exists()
     assert after.model_names() == {1: "lora-restart-v1"} and after.current() == (1, infos[1].sha256)
+
+
+# --- what differs between vLLM 0.18 and 0.33, and the start-up checks ------------------------------
+
+
+def test_a_partial_full_state_is_refused_before_vllm_which_would_take_it(sessions, tmp_path: Path,
+                                                                          standin: VllmStandIn, rng) -> None:
+    """vLLM reloads a file lacking some tensors with only a warning (the stand-in shows it); the
+    adapter checks the names and shapes against the start-up weights and keeps serving what it had."""
+    registry, states, infos, adapter = _full_setup(sessions, tmp_path, standin, rng, n=2)
+    partial = {k: v for k, v in train_step(rng, states[1]).items() if k != "model.norm.weight"}
+    info = registry.publish(partial, parent=None)
+    folder = tmp_path / "direct"
+    folder.mkdir()
+    (folder / "model.safetensors").write_bytes(encode_full(partial))
+    assert httpx.post(f"{standin.url}/collective_rpc", json={"method": "reload_weights", "kwargs": {
+        "weights_path": str(folder)}}).status_code == 200  # vLLM itself takes it
+    assert "model.norm.weight" in standin.reload_warnings[-1]
+    httpx.post(f"{standin.url}/collective_rpc", json={"method": "reload_weights", "kwargs": {
+        "weights_path": str(tmp_path / "base-model")}})
+    standin.calls.clear()
+
+    outcome = adapter.apply(info.version)
+    assert not outcome.ok and outcome.version == 0
+    assert "lacks 1: model.norm.weight" in outcome.detail and "not sent to vLLM" in outcome.detail
+    assert standin.calls == [] and standin.weights_sha256 == infos[0].sha256
+    assert adapter.apply(1).ok and adapter.current() == (1, infos[1].sha256)
+
+
+@pytest.mark.parametrize("version", ["0.18", "0.33"])
+def test_a_failed_prefix_cache_reset_is_a_failed_reload(sessions, tmp_path: Path, rng, version: str) -> None:
+    """0.33's /reset_prefix_cache says {"success": false} while blocks are held: retried, then the
+    reload fails and the previous version is restored; 0.18 says nothing either way."""
+    with VllmStandIn(vllm_version=version) as standin:
+        registry, states, infos, adapter = _full_setup(sessions, tmp_path, standin, rng, n=3)
+        adapter.prepare()
+        standin.fail_prefix_cache_resets = 1  # one false answer: the retry succeeds
+        assert adapter.apply(1).ok and adapter.current() == (1, infos[1].sha256)
+        standin.fail_prefix_cache_resets = 3
+        outcome = adapter.apply(2)
+        if version == "0.18":
+            assert outcome.ok and adapter.current() == (2, infos[2].sha256)
+            return
+        assert not outcome.ok and outcome.version == 1
+        assert '{"success": false}' in outcome.detail and "version 1 restored" in outcome.detail
+        assert standin.weights_sha256 == infos[1].sha256 and adapter.current() == (1, infos[1].sha256)
+        assert standin.weight_version == "full-line-v1" and not standin.paused
+
+
+@pytest.mark.parametrize("version", ["0.18", "0.33"])
+def test_the_adapter_labels_vllms_weights_where_vllm_has_labels(sessions, tmp_path: Path, rng, version: str) -> None:
+    with VllmStandIn(vllm_version=version) as standin:
+        registry, states, infos, adapter = _full_setup(sessions, tmp_path, standin, rng, n=2)
+        adapter.prepare()
+        assert adapter.weight_versions is (version == "0.33")
+        assert adapter.apply(1).ok
+        paths = [c.path for c in standin.calls]
+        if version == "0.33":
+            assert standin.weight_version == "full-line-v1"
+            assert paths[-3:] == ["/reset_prefix_cache", "/update_weight_version", "/resume"]  # labelled while paused
+            r = httpx.post(f"{standin.url}/v1/completions", json={"model": "base-model", "prompt": "x",
+                                                                   "max_tokens": 3, "return_weight_versions": True})
+            assert r.json()["choices"][0]["weight_versions"] == [{"version": "full-line-v1", "start": 0, "end": 3}]
+        else:
+            assert "/update_weight_version" not in paths and standin.calls[0].path == "/weight_info"
+
+
+def test_a_lora_load_failure_is_vllms_500_and_keeps_the_previous_version(sessions, tmp_path: Path, rng) -> None:
+    """A real refusal, not an injected one: vLLM's max LoRA rank below the adapter's."""
+    with VllmStandIn(max_lora_rank=16) as standin:
+        registry = Registry(sessions, FolderStore(tmp_path / "store"), "lora-500")
+        small = lora_state(rng, rank=4)
+        info0 = registry.publish(small, parent=None)
+        adapter = VllmAdapter(standin.url, registry, tmp_path / "work", mode="lora", lora_config=LORA_CONFIG)
+        assert adapter.apply(0).ok
+        standin.max_lora_rank = 2
+        info1 = registry.publish(lora_state(rng, rank=4), parent=None)
+        outcome = adapter.apply(info1.version)
+        assert not outcome.ok and outcome.version == 0
+        assert "HTTP 500" in outcome.detail and "greater than max_lora_rank" in outcome.detail
+        assert adapter.current() == (0, info0.sha256) and not (tmp_path / "work" / f"lora-500-v{info1.version}").exists()
+
+
+@pytest.mark.parametrize("version", ["0.18", "0.33"])
+def test_the_api_key_reaches_vllm_and_guards_what_vllm_guards(sessions, tmp_path: Path, rng, version: str) -> None:
+    with VllmStandIn(api_key="s3cret", vllm_version=version) as standin:
+        assert httpx.get(f"{standin.url}/v1/models").status_code == 401
+        assert httpx.get(f"{standin.url}/v1/models", headers={"Authorization": "bearer s3cret"}).status_code == 200
+        assert httpx.get(f"{standin.url}/v2/anything").status_code == (401 if version == "0.33" else 404)
+        assert httpx.post(f"{standin.url}/resume").status_code == 200  # dev routes: no authentication
+        registry = Registry(sessions, FolderStore(tmp_path / "store"), "keyed")
+        publish_chain(registry, lora_state(rng), 1, rng)
+        keyless = VllmAdapter(standin.url, registry, tmp_path / "w1", mode="lora", lora_config=LORA_CONFIG)
+        outcome = keyless.apply(0)
+        assert not outcome.ok and "HTTP 401" in outcome.detail
+        adapter = VllmAdapter(standin.url, registry, tmp_path / "w2", mode="lora", lora_config=LORA_CONFIG,
+                              api_key="s3cret")
+        assert adapter.apply(0).ok and "keyed-v0" in standin.loras
+        adapter.check_logprobs_mode()
+
+
+@pytest.mark.parametrize("scale", [1.0, 40.0], ids=["spread", "peaked"])
+@pytest.mark.parametrize("mode", ["raw_logprobs", "processed_logprobs"])
+def test_the_probe_tells_raw_from_processed_logprobs(tmp_path: Path, mode: str, scale: float) -> None:
+    """Against the stand-in's canned logits in each mode, a spread and a peaked model, with a
+    generation_config.json that would set top_k and temperature for a request that left them out."""
+    from serving.node.vllm_probe import LogprobsModeError
+
+    with VllmStandIn(logprobs_mode=mode, logit_scale=scale, generation_config={"top_k": 2, "temperature": 0.7}) as s:
+        adapter = VllmAdapter(s.url, _NoRegistry(), tmp_path, mode="full", served_model_name="base-model")
+        if mode == "processed_logprobs":
+            adapter.check_logprobs_mode()
+        else:
+            with pytest.raises(LogprobsModeError, match="--logprobs-mode processed_logprobs"):
+                adapter.check_logprobs_mode()
+        assert all(c.body["temperature"] in (1.0, 2.0) and c.body["top_p"] == 1.0 for c in s.calls)
+
+
+def test_the_probe_refuses_what_it_cannot_decide() -> None:
+    from serving.node.vllm_probe import classify
+
+    tie = [("token_id:1", -0.6931), ("token_id:2", -0.6931)]  # two tied tokens, no other mass
+    assert classify(tie, tie) is None
+    assert classify([("token_id:1", -0.1), ("token_id:2", -2.5)], [("token_id:1", -0.1), ("token_id:3", -2.5)]) is None
+    raw = [("token_id:1", -0.01), ("token_id:2", -30.0)]
+    assert classify(raw, raw) == "raw"  # peaked: the processed prediction is (-3e-7, -15)
+    assert classify(raw, [("token_id:1", -3e-7), ("token_id:2", -15.0)]) == "processed"
+
+
+class _NoRegistry:
+    model_line = "probe-line"
+
+
+def test_the_standins_logprobs_follow_vllms_sampler() -> None:
+    """Hand-computed: logits (0, -0.95, -1.9, ...): raw is their log-softmax whatever the request;
+    processed at temperature 2 with top_k 2 is the log-softmax of (0, -0.475); greedy ignores temperature."""
+    import math
+
+    from tests.fixtures import vllm_sampler
+
+    logits = vllm_sampler.canned_logits(5)
+    assert vllm_sampler.top(logits, 3) == [5, 6, 7] and logits[6] == pytest.approx(-0.95)
+    processed = vllm_sampler.processed_logprobs(logits, {"temperature": 2.0, "top_k": 2})
+    gap = (logits[5] - logits[6]) / 2
+    assert processed[5] == pytest.approx(-math.log1p(math.exp(-gap)))
+    assert sum(1 for v in processed if v != -math.inf) == 2
+    assert vllm_sampler.processed_logprobs(logits, {"temperature": 0.0, "top_k": 2}) == vllm_sampler.log_softmax(logits)
+    top_p = vllm_sampler.processed_logprobs(logits, {"temperature": 1.0, "top_p": 0.5})
+    assert top_p[5] == 0.0 and vllm_sampler.wire(top_p[6]) == -9999.0  # the top token alone holds over half
