@@ -53,7 +53,8 @@ class Front:
 
 
 @contextlib.contextmanager
-def front(tmp_path: Path, versions: int = 3, *, wait_s: float = 30.0, drain_timeout_s: float = 600.0) -> Iterator[Front]:
+def front(tmp_path: Path, versions: int = 3, *, wait_s: float = 30.0, drain_timeout_s: float = 600.0,
+          vllm_version: str = "0.18", api_key: str = "") -> Iterator[Front]:
     """A registry with ``versions`` versions (0 is what vLLM was started from), the stand-in, the
     adapter and Updater as ``flywheel node`` builds them, and the front served on a free port."""
     rng = random.Random(11)
@@ -69,12 +70,15 @@ def front(tmp_path: Path, versions: int = 3, *, wait_s: float = 30.0, drain_time
     model = tmp_path / "model"
     model.mkdir()
     (model / "model.safetensors").write_bytes(encode_full(states[0]))
-    with VllmStandIn(served_model_name=LINE, weights_path=str(model)) as standin:
+    with VllmStandIn(served_model_name=LINE, weights_path=str(model), vllm_version=vllm_version,
+                     api_key=api_key) as standin:
         settings = load_settings(data_dir=str(tmp_path), model={"line": LINE, "path": str(model)},
-                                 node={"engine": "vllm", "vllm_url": standin.url, "node_id": NODE})
+                                 node={"engine": "vllm", "vllm_url": standin.url, "node_id": NODE,
+                                       "vllm_api_key": api_key})
         gate = VersionGate(drain_timeout_s=drain_timeout_s)
         adapter = VllmAdapter(standin.url, registry, tmp_path / "work", mode="full", served_model_name=LINE,
-                              base_version=0, base_state=states[0], base_path=model, gate=gate)
+                              base_version=0, base_state=states[0], base_path=model, gate=gate, api_key=api_key)
+        adapter.prepare()  # as flywheel node does once vLLM answers
         updater = Updater(adapter, registry, settings)
         try:
             with served_app(create_front(adapter, gate, settings, updater, wait_s=wait_s)) as url:
@@ -272,3 +276,69 @@ def test_unknown_weights_are_refused_rather_than_mislabelled(tmp_path: Path) -> 
         assert r.status_code == 200 and r.json()["model_version"] == 2
         assert f.generation(r.json()["id"]).weights == [f.sha(2)] * 2
         assert len(f.standin.completions) == served + 1
+
+
+# --- vLLM 0.33: paused engines answer 503, weight-version labels; the API key ---------------------
+
+
+def test_on_033_requests_during_a_reload_wait_behind_the_gate_and_never_see_vllms_503(tmp_path: Path) -> None:
+    """vLLM 0.33 rejects requests that reach it while paused (503, or an error event in a stream);
+    the front holds its own behind the gate, so they are answered by the new version."""
+    with front(tmp_path, vllm_version="0.33") as f:
+        direct = f.standin
+        f.standin.hang("/collective_rpc", 1.0)  # a reload that takes a while
+        promotion = InThread(lambda: f.updater.update_to(1))
+        wait_until("vLLM paused", lambda: direct.paused, timeout_s=10)
+        # What the front protects against: vLLM itself refuses while paused.
+        r = httpx.post(f"{direct.url}/v1/completions", json={"model": LINE, "prompt": "x", "max_tokens": 1})
+        assert r.status_code == 503 and r.json()["error"]["type"] == "ServiceUnavailableError"
+        whole = InThread(lambda: post(f.url, max_tokens=2))
+        streamed = InThread(lambda: stream(f.url, "/v1/completions", max_tokens=2))
+        wait_until("both held back", lambda: f.gate.queued == 2, timeout_s=10)
+        assert promotion.result().ok
+        answer = whole.result()
+        assert answer.status_code == 200 and answer.json()["model_version"] == 1
+        r, events = streamed.result()
+        assert r.status_code == 200 and events[-1] == "[DONE]" and {e["model_version"] for e in events[:-1]} == {1}
+        assert direct.rejected_while_paused == 1  # only the direct request
+        assert all("weight_versions" not in c for e in [answer.json(), *events[:-1]] for c in e["choices"])
+
+
+def test_on_033_each_answer_is_checked_against_vllms_weight_labels(tmp_path: Path) -> None:
+    with front(tmp_path, vllm_version="0.33") as f:
+        assert f.adapter.weight_versions and f.standin.weight_version == f"{LINE}-v0"
+        asked = post(f.url, max_tokens=3, return_weight_versions=True)
+        assert asked.status_code == 200
+        assert asked.json()["choices"][0]["weight_versions"] == [{"version": f"{LINE}-v0", "start": 0, "end": 3}]
+        forwarded = [c.body for c in f.standin.calls if c.path == "/v1/chat/completions"]
+        assert forwarded[-1]["return_weight_versions"] is True
+
+        # vLLM's weights relabelled behind the adapter's back: refused, never stamped version 0.
+        httpx.post(f"{f.standin.url}/update_weight_version", json={"new_version": "someone-else"})
+        r = post(f.url, max_tokens=2)
+        assert r.status_code == 502 and r.json()["error"]["code"] == "weight_version_mismatch"
+        assert "someone-else" in r.json()["error"]["message"]
+        r, events = stream(f.url, "/v1/completions", max_tokens=2)
+        assert events[-1] != "[DONE]" and events[-1]["error"]["code"] == "weight_version_mismatch"
+
+        # A reload relabels while paused, so the front's stamp and vLLM's label agree again.
+        assert f.updater.update_to(1).ok and f.standin.weight_version == f"{LINE}-v1"
+        r = post(f.url, max_tokens=2)
+        assert r.status_code == 200 and r.json()["model_version"] == 1 and "weight_versions" not in r.json()["choices"][0]
+
+
+def test_on_018_without_labels_the_front_carries_on(tmp_path: Path) -> None:
+    with front(tmp_path, vllm_version="0.18") as f:
+        assert f.adapter.weight_versions is False
+        r = post(f.url, max_tokens=2)
+        assert r.status_code == 200 and "return_weight_versions" not in f.standin.calls[-1].body
+
+
+def test_the_front_sends_vllms_api_key(tmp_path: Path) -> None:
+    with front(tmp_path, api_key="k-123") as f:
+        r = post(f.url, max_tokens=2)
+        assert r.status_code == 200
+        r, events = stream(f.url, max_tokens=2)
+        assert events[-1] == "[DONE]"
+        assert f.updater.update_to(1).ok
+        assert httpx.post(f"{f.standin.url}/v1/completions", json={"model": LINE, "prompt": "x"}).status_code == 401
