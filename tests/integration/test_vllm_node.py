@@ -75,7 +75,7 @@ def test_a_vllm_node_follows_the_registry_and_keeps_the_last_good_version(tmp_pa
             return (row.live_version, row.status) if row is not None else (None, "")
 
     stop = threading.Event()
-    with VllmStandIn() as standin:
+    with VllmStandIn(served_model_name="vllm-line") as standin:  # vLLM serves model.line in full mode
         settings = load_settings(data_dir=str(tmp_path), db={"url": db_url},
                                  model={"line": "vllm-line", "path": str(model)},
                                  node={"engine": "vllm", "vllm_url": standin.url, "node_id": "vllm-0", "poll_s": 0.2,
@@ -84,8 +84,10 @@ def test_a_vllm_node_follows_the_registry_and_keeps_the_last_good_version(tmp_pa
         node.start()
         try:
             wait_until("the base registered and live", lambda: live_version() == (0, "serving"), timeout_s=30)
-            posted = lambda: [c.path for c in standin.calls if c.method == "POST"]  # noqa: E731
+            # What changes vLLM (the start-up probe's completions change nothing).
+            posted = lambda: [c.path for c in standin.calls if c.method == "POST" and c.path != "/v1/completions"]  # noqa: E731
             assert registry.get(0).status == "stable" and not posted()  # nothing reloaded for the base
+            assert len([c for c in standin.calls if c.path == "/v1/completions"]) == 2  # the logprobs probe
 
             v1 = registry.publish(train_step(rng, base), parent=0, parent_state=base)
             registry.set_status(v1.version, "stable", reason="test")
@@ -112,6 +114,34 @@ def test_a_vllm_node_follows_the_registry_and_keeps_the_last_good_version(tmp_pa
 def test_a_vllm_node_needs_its_url() -> None:
     with pytest.raises(SettingsError, match="vllm_url"):
         load_settings(node={"engine": "vllm"})
+
+
+def test_the_vllm_api_key_is_a_secret() -> None:
+    from flywheel.settings import redacted
+
+    settings = load_settings(node={"engine": "vllm", "vllm_url": "http://vllm:8000", "vllm_api_key": "k-987"})
+    assert settings.node.vllm_api_key == "k-987"
+    assert "k-987" not in repr(settings) and "k-987" not in json.dumps(redacted(settings))
+
+
+@pytest.mark.parametrize("mode", ["full", "lora"])
+def test_a_vllm_node_refuses_to_start_against_raw_logprobs(tmp_path: Path, mode: str) -> None:
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "model.safetensors").write_bytes(encode_full({"model.layers.0.self_attn.q_proj.weight": torch.ones(8, 8)}))
+    db_url = f"sqlite:///{tmp_path / 'fw.db'}"
+    upgrade(db_url)
+    with VllmStandIn(served_model_name="raw-line", logprobs_mode="raw_logprobs") as standin:
+        settings = load_settings(data_dir=str(tmp_path), db={"url": db_url}, model={"line": "raw-line", "path": str(model)},
+                                 trainer={"lora_rank": 4, "lora_targets": ["q_proj"]} if mode == "lora" else {},
+                                 node={"engine": "vllm", "vllm_url": standin.url, "vllm_mode": mode,
+                                       "port": free_port()})
+        from serving.node.vllm_probe import LogprobsModeError
+
+        with pytest.raises(LogprobsModeError, match="--logprobs-mode processed_logprobs"):
+            run_node(settings, threading.Event())
+        changed = [c.path for c in standin.calls if c.method == "POST" and c.path != "/v1/completions"]
+        assert changed == [] and not standin.loras  # nothing loaded, nothing served
 
 
 FULL_LINE = "full-node-line"
