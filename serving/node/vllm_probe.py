@@ -52,7 +52,8 @@ def top_two(answer: Any) -> list[tuple[str, float]]:
         entry = answer["choices"][0]["logprobs"]["top_logprobs"][0]
         pairs = sorted(((str(t), float(lp)) for t, lp in entry.items()), key=lambda p: -p[1])
     except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:
-        raise LogprobsModeError(f"vLLM's answer to the logprobs probe has no top logprobs ({exc!r}): {answer!r:.300}")
+        raise LogprobsModeError(f"vLLM's answer to the logprobs probe has no top logprobs ({exc!r}): "
+                                f"{answer!r:.300}") from None
     if len(pairs) < 2:
         raise LogprobsModeError(f"vLLM returned {len(pairs)} top logprob(s) where 2 were asked for")
     return pairs[:2]
