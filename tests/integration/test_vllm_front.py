@@ -79,6 +79,7 @@ def front(tmp_path: Path, versions: int = 3, *, wait_s: float = 30.0, drain_time
         adapter = VllmAdapter(standin.url, registry, tmp_path / "work", mode="full", served_model_name=LINE,
                               base_version=0, base_state=states[0], base_path=model, gate=gate, api_key=api_key)
         adapter.prepare()  # as flywheel node does once vLLM answers
+        standin.calls.clear()  # the tests read the calls requests and reloads make
         updater = Updater(adapter, registry, settings)
         try:
             with served_app(create_front(adapter, gate, settings, updater, wait_s=wait_s)) as url:
