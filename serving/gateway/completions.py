@@ -194,6 +194,9 @@ class CompletionServing:
         headers = {SESSION_HEADER: call.session_id, "content-type": "application/json"}
         if call.version is not None:
             headers[MODEL_VERSION_HEADER] = str(call.version)
+        key = self.settings.node.vllm_api_key
+        if call.target.names_versions and key:  # vLLM itself (LoRA mode), started with --api-key
+            headers["Authorization"] = f"Bearer {key}"
         return headers
 
     async def post(self, call: Call) -> UpstreamResponse:

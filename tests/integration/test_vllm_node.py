@@ -431,7 +431,8 @@ def test_the_gateway_names_the_lora_version_to_vllm_and_the_client_sees_the_line
     tmp_path: Path, redis_url: str, live_prefix: str
 ) -> None:
     """The gateway in front of a LoRA-mode node: vLLM is sent ``<line>-v<version>`` for the session's
-    version; the client and the captured event see the line and the version, as from a built-in node."""
+    version, with vLLM's API key; the client and the captured event see the line and the version, as
+    from a built-in node."""
     from flywheel.bus import make_bus
     from flywheel.events import GenerationEvent
     from serving.gateway.main import run as run_gateway
@@ -443,10 +444,12 @@ def test_the_gateway_names_the_lora_version_to_vllm_and_the_client_sees_the_line
     db = make_engine(db_url)
     registry = Registry(make_session_factory(db), FolderStore(tmp_path / "weights"), LORA_LINE)
     stop = threading.Event()
-    with VllmStandIn(served_model_name="base", max_lora_rank=8, lora_modules=linear_layers(model)) as standin, \
-            httpx.Client(timeout=30) as http:
+    # vLLM started with --api-key: the node and the gateway (which talks to vLLM directly) send it.
+    with VllmStandIn(served_model_name="base", max_lora_rank=8, lora_modules=linear_layers(model),
+                     api_key="lora-key") as standin, httpx.Client(timeout=30) as http:
         settings = lora_settings(
             tmp_path, db_url, model, standin.url, store={"path": str(tmp_path / "weights")},
+            node={"vllm_api_key": "lora-key"},
             live={"kind": "redis", "redis_url": redis_url, "key_prefix": live_prefix},
             bus={"kind": "local", "partitions": 1, "topic_prefix": f"lora-{uuid.uuid4().hex[:8]}."},
             gateway={"port": free_port()})
@@ -500,7 +503,8 @@ def test_the_gateway_names_the_lora_version_to_vllm_and_the_client_sees_the_line
             record(r)
 
             # vLLM loses v0 behind the node's back: its 404 moves the session on, as a node's 409 would.
-            gone = http.post(f"{standin.url}/v1/unload_lora_adapter", json={"lora_name": f"{LORA_LINE}-v0"})
+            gone = http.post(f"{standin.url}/v1/unload_lora_adapter", json={"lora_name": f"{LORA_LINE}-v0"},
+                             headers={"Authorization": "Bearer lora-key"})
             assert gone.status_code == 200
             r = chat(old)
             assert record(r) == (old, 1) and sent() == f"{LORA_LINE}-v1"
