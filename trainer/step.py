@@ -135,7 +135,9 @@ def train_step(
 
     metrics: dict[str, Any] = {"loss": dist.all_reduce_sum(sums.pop("loss"))}
     metrics.update({key: dist.all_reduce_sum(value) / max(step_tokens, 1) for key, value in sums.items()})
-    metrics.update(grad_norm=grad_norm, tokens=float(step_tokens), samples=float(len(samples)),
+    # Tokens trained on: the step's trainable tokens less those found outside the policy's support.
+    trained = step_tokens - dist.all_reduce_sum(masked.get("outside_support", 0))
+    metrics.update(grad_norm=grad_norm, tokens=float(trained), samples=float(len(samples)),
                    mean_reward=fmean(s.total_reward for s in samples),
                    completion_tokens=float(dist.all_reduce_sum(completion_tokens)),
                    masked=dict(sorted(sum((Counter(part) for part in dist.all_gather_object(dict(masked))),

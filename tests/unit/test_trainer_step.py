@@ -255,3 +255,17 @@ def test_lora_adapter_versions_are_the_peft_adapter_state(tiny, tmp_path) -> Non
     resumed = Policy(copy.deepcopy(tiny), cfg)
     resumed.load_master(policy.master_state())
     assert state_sha256(resumed.export()) == state_sha256(v1)  # the resume hash check holds
+
+
+def test_tokens_outside_the_policys_truncated_support_are_left_out_and_counted(tiny) -> None:
+    # Random tokens under top_k = 1: almost none is the model's argmax, so their probability under
+    # the policy's processed distribution is 0. They must be counted, not turn the step into NaN.
+    samples = [s.model_copy(update={"segments": [seg.model_copy(update={"turns": [
+        t.model_copy(update={"top_k": 1}) for t in seg.turns]}) for seg in s.segments]})
+        for s in _task_samples(tiny.config.vocab_size, 4, seed=3)]
+    model, metrics = _step(tiny, samples)
+    completion = sum(sum(seg.mask) for s in samples for seg in s.segments)
+    assert metrics["completion_tokens"] == completion
+    outside = metrics["masked"]["outside_support"]
+    assert 0 < outside <= completion and metrics["tokens"] == completion - outside
+    assert math.isfinite(metrics["loss"]) and all(torch.isfinite(p).all() for p in model.parameters())
