@@ -346,6 +346,8 @@ def run_demo(settings: Settings, options: DemoOptions, stop: threading.Event) ->
         # tokens (the rest: greedy turns, unsupported knobs, outside the support), from version metrics.
         "trainable_token_fraction": trainable["fraction"],
         "masked_tokens": trainable["masked"],
+        "trained_tokens": trainable["trained"],
+        "completion_tokens": trainable["completion"],
         "served_success_by_version": served_success,
         "wall_seconds": round(time.monotonic() - t_start, 1),
     }
@@ -394,7 +396,8 @@ def _trainable_tokens(registry: Any, versions: list[Any]) -> dict[str, Any]:
         completion += int(info.metrics.get("completion_tokens", 0))
         for reason, n in (info.metrics.get("masked_tokens") or {}).items():
             masked[reason] = masked.get(reason, 0) + int(n)
-    return {"fraction": round(tokens / completion, 4) if completion else None, "masked": masked}
+    return {"fraction": round(tokens / completion, 4) if completion else None, "masked": masked,
+            "trained": tokens, "completion": completion}
 
 
 def _served_success_by_version(pool: UserPool) -> dict[str, dict[str, float]]:

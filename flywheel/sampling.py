@@ -119,10 +119,7 @@ def node_defaults(settings: Settings, model_dir: str | Path | None = None) -> di
 
 
 #: OpenAI's (and vLLM's) value for a parameter the client and the model's defaults leave unset.
-OPENAI_DEFAULTS: dict[str, Any] = {
-    "temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0,
-    "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
-}
+OPENAI_DEFAULTS: dict[str, Any] = {f.name: f.default for f in fields(Processing) if f.name != "logit_bias"}
 #: Parameters vLLM takes from the request model's own defaults, never from generation_config.json
 #: (``presence_penalty`` and ``frequency_penalty`` default to 0.0 in vLLM's request models).
 _REQUEST_ONLY = ("presence_penalty", "frequency_penalty")
