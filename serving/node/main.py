@@ -168,7 +168,8 @@ def _run_vllm_lora(settings: Settings, stop: threading.Event) -> None:
         raise RuntimeError("node.vllm_mode = 'lora' needs the line's LoRA settings: trainer.lora_rank > 0 "
                            "(with trainer.lora_alpha and trainer.lora_targets as the trainer publishes them)")
     from serving.node.updater import Updater
-    from serving.node.vllm_adapter import VllmAdapter, zero_adapter_state
+    from serving.node.vllm_adapter import VllmAdapter
+    from serving.node.vllm_files import zero_adapter_state
 
     with contextlib.ExitStack() as cleanup:
         sessions, registry, live = _open(settings, cleanup)

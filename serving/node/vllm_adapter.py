@@ -12,7 +12,7 @@ bounded time-outs) for one model line:
   with ``POST /v1/unload_lora_adapter`` and their folders removed. Requests for a version use
   ``model = "<line>-v<version>"`` (:meth:`model_for`; :meth:`model_names` for every held version,
   which the node's heartbeat carries to the gateway). vLLM serves the line's fixed base model;
-  version 0 of such a line is the zero adapter (:func:`zero_adapter_state`).
+  version 0 of such a line is the zero adapter (``vllm_files.zero_adapter_state``).
 - ``mode="full"``: a version's weights are the full model state (the registry's parameter names,
   which must be the checkpoint names vLLM's ``model.load_weights`` accepts). It is written as
   ``work_dir/full/<line>-v<version>/model.safetensors`` and vLLM reloads it in place through the
@@ -55,11 +55,9 @@ Invariants:
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import re
-import secrets
 import shutil
 import threading
 import time
@@ -67,21 +65,16 @@ from pathlib import Path
 from typing import Any, Literal
 
 import httpx
-import safetensors.torch
-import torch
 
-from flywheel.weights.codec.state import encode_full, state_sha256
+from flywheel.weights.codec.state import state_sha256
 from serving.node.updater import UpdateOutcome
+from serving.node.vllm_files import State, adapter_config, check_lora_state, materialise
 from serving.node.vllm_probe import logprobs_mode
 
 log = logging.getLogger(__name__)
 
-State = dict[str, torch.Tensor]
 Mode = Literal["lora", "full"]
 
-ADAPTER_CONFIG = "adapter_config.json"
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
-FULL_WEIGHTS = "model.safetensors"
 #: ``/reset_prefix_cache`` answers ``{"success": false}`` while blocks are still held (0.33); tries.
 RESET_TRIES = 3
 RESET_RETRY_S = 0.5
@@ -376,9 +369,10 @@ class VllmAdapter:
             if self._held[version][0] != sha256:
                 raise ValueError(f"version {version} is loaded with another hash")
         else:
-            _check_lora_state(state)
+            check_lora_state(state)
             name = self.lora_name(version)
-            folder = self._materialise(self.work_dir / name, state, sha256, adapter_config=self._adapter_config(state))
+            folder = materialise(self.work_dir / name, state, sha256,
+                                 adapter_config=adapter_config(state, self.lora_config))
             try:
                 if name not in self.loaded_models():  # else: loaded by an earlier attempt that timed out
                     self._call("POST", "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(folder)})
@@ -417,22 +411,13 @@ class VllmAdapter:
         if failures:
             log.warning("could not unload LoRA adapters (retried on the next load): %s", "; ".join(failures))
 
-    def _adapter_config(self, state: State) -> dict[str, Any]:
-        config = {"peft_type": "LORA", "bias": "none", "task_type": "CAUSAL_LM", **self.lora_config}
-        rank = _lora_rank(state)
-        if "r" not in config:
-            config["r"] = rank
-        elif int(config["r"]) != rank:  # vLLM would load it and scale by lora_alpha / r: silently wrong
-            raise ValueError(f"the adapter's rank is {rank}, the configured r is {config['r']} (trainer.lora_rank)")
-        return config
-
     # --- full weights ----------------------------------------------------------------------------
 
     def _swap_full(self, version: int, state: State, sha256: str) -> None:
         if version == self._live:
             return
         self._check_complete(version, state)
-        folder = self._materialise(self.work_dir / "full" / f"{self.line}-v{version}", state, sha256)
+        folder = materialise(self.work_dir / "full" / f"{self.line}-v{version}", state, sha256)
         with self.gate.exclusive() if self.gate is not None else contextlib.nullcontext():
             previous = self._live
             previous_folder = self._held[previous][1] if previous is not None else None
@@ -542,32 +527,6 @@ class VllmAdapter:
                              status=cause.status)
         return VllmError(f"{cause}; version {previous} restored", status=cause.status)
 
-    # --- files -----------------------------------------------------------------------------------
-
-    def _materialise(self, folder: Path, state: State, sha256: str, *, adapter_config: dict[str, Any] | None = None) -> Path:
-        """``folder`` holding ``state`` (and the adapter config), written atomically; an existing
-        folder is reused only when its weights hash to ``sha256``."""
-        weights_name = ADAPTER_WEIGHTS if adapter_config is not None else FULL_WEIGHTS
-        if folder.is_dir():
-            try:
-                if state_sha256(safetensors.torch.load_file(folder / weights_name)) == sha256:
-                    return folder
-            except Exception as exc:  # unreadable leftovers: rewritten below
-                log.warning("rewriting %s: %s", folder, exc)
-            shutil.rmtree(folder)
-        folder.parent.mkdir(parents=True, exist_ok=True)
-        tmp = folder.parent / f".tmp-{folder.name}-{secrets.token_hex(4)}"
-        tmp.mkdir()
-        try:
-            _write_synced(tmp / weights_name, encode_full(state))
-            if adapter_config is not None:
-                _write_synced(tmp / ADAPTER_CONFIG, json.dumps(adapter_config, indent=2, sort_keys=True).encode())
-            os.rename(tmp, folder)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        return folder
-
     # --- HTTP ------------------------------------------------------------------------------------
 
     def _call(self, method: str, path: str, *, timeout: float | None = None, **kwargs: Any) -> Any:
@@ -608,56 +567,3 @@ def _error_message(response: httpx.Response) -> str:
             if key in body:
                 return str(body[key])
     return str(body)[:500]
-
-
-def _check_lora_state(state: State) -> None:
-    if not state or not all(".lora_A." in n or ".lora_B." in n for n in state):
-        raise ValueError("not a PEFT LoRA adapter state: every tensor name must contain .lora_A. or .lora_B.")
-
-
-def _lora_rank(state: State) -> int:
-    ranks = {int(t.shape[0]) for n, t in state.items() if ".lora_A." in n}
-    if len(ranks) != 1:
-        raise ValueError(f"LoRA A matrices disagree on the rank: {sorted(ranks)}")
-    return ranks.pop()
-
-
-def zero_adapter_state(model_dir: str | os.PathLike[str], r: int, target_modules: list[str] | tuple[str, ...],
-                       *, seed: int = 0) -> State:
-    """Version 0 of an adapter line: a PEFT LoRA adapter for the model in ``model_dir`` that changes
-    nothing (``B`` = 0), with ``A`` drawn as PEFT draws it (uniform in +-1/sqrt(fan_in), seeded), so
-    training can move ``B``. Names are PEFT's (``base_model.model.<module>.lora_A.weight``), for every
-    2-D ``<module>.weight`` in the model's ``*.safetensors`` whose module name ends with a target (as
-    PEFT matches ``target_modules``; linear layers only). Only the file headers are read."""
-    from safetensors import safe_open
-
-    shapes: dict[str, list[int]] = {}
-    for shard in sorted(Path(model_dir).glob("*.safetensors")):
-        with safe_open(str(shard), framework="pt") as f:
-            shapes.update({name: list(f.get_slice(name).get_shape()) for name in f.keys()})
-    if not shapes:
-        raise ValueError(f"no *.safetensors weights in {model_dir}")
-    modules = {}
-    for name, shape in shapes.items():
-        module = name.removesuffix(".weight")
-        if name.endswith(".weight") and any(module == t or module.endswith(f".{t}") for t in target_modules):
-            if len(shape) != 2:
-                raise ValueError(f"{name} has shape {shape}: LoRA targets must be linear layers")
-            modules[module] = shape
-    if not modules:
-        raise ValueError(f"no weight in {model_dir} matches the LoRA targets {list(target_modules)}")
-    g = torch.Generator().manual_seed(seed)
-    state: State = {}
-    for module, (out_features, in_features) in sorted(modules.items()):
-        bound = 1.0 / in_features ** 0.5  # kaiming_uniform_(a=sqrt(5)), PEFT's init of lora_A
-        a = (torch.rand(r, in_features, generator=g) * 2 - 1) * bound
-        state[f"base_model.model.{module}.lora_A.weight"] = a.to(torch.bfloat16).contiguous()
-        state[f"base_model.model.{module}.lora_B.weight"] = torch.zeros(out_features, r, dtype=torch.bfloat16)
-    return state
-
-
-def _write_synced(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())

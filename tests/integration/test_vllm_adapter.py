@@ -319,7 +319,7 @@ def test_the_trainers_adapter_versions_load_into_vllm(sessions, tmp_path: Path, 
 
     from flywheel.lm import load_model
     from flywheel.settings import TrainerSettings
-    from serving.node.vllm_adapter import zero_adapter_state
+    from serving.node.vllm_files import zero_adapter_state
     from trainer.policy import Policy
 
     tiny, _ = load_model(tiny_model_dir)
