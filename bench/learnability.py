@@ -99,7 +99,7 @@ def run(model_path: Path, *, lr: float, batch_size: int, steps: int, steps_per_v
     for step in range(1, steps + 1):
         problems = [task.traffic_problem(rng) for _ in range(batch_size)]
         prompts = [chat_prompt_ids(tokenizer, [{"role": "user", "content": task.user_message(p)}]) for p in problems]
-        samples = generate(served, prompts, max_new_tokens=max_new_tokens, temperature=1.0,
+        samples = generate(served, prompts, max_new_tokens=max_new_tokens,
                            seed=rng.randrange(2**31), eos_token_id=eos)
         rewards = torch.tensor([float(task.is_correct(p, completion_text(tokenizer, s.token_ids)))
                                 for p, s in zip(problems, samples, strict=True)])

@@ -61,11 +61,6 @@ class DemoOptions:
                    tuple((k, v) for k, v in knobs.items() if v is not None))
 
     @property
-    def request_sampling(self) -> dict[str, Any]:
-        """What every simulated request sends (temperature 1 when nothing is given, as before)."""
-        return dict(self.sampling) or {"temperature": 1.0}
-
-    @property
     def traffic_minutes(self) -> float:
         return self.minutes if self.minutes is not None else (2.0 if self.quick else 12.0)
 
@@ -271,7 +266,7 @@ def run_demo(settings: Settings, options: DemoOptions, stop: threading.Event) ->
         gateway, watcher = live.gateway, live.watcher
         n_users = options.users or 8
         pool = UserPool(gateway, settings.model.line, n_users, options.seed, max_tokens=settings.node.max_new_tokens, t0=t_start,
-                        sampling=options.request_sampling)
+                        sampling=dict(options.sampling) or None)
         minutes = options.traffic_minutes
         print(
             f"flywheel demo: stack up in {time.monotonic() - t_start:.0f}s; {n_users} simulated users for "
@@ -313,7 +308,7 @@ def run_demo(settings: Settings, options: DemoOptions, stop: threading.Event) ->
     print("flywheel demo: evaluating shipped versions on held-out problems", flush=True)
     live_versions = [s["version"] for s in shipped]
     eval_versions = pick_spread(live_versions, 8)
-    heldout = _evaluate_versions(settings, registry, eval_versions, options.seed, options.request_sampling)
+    heldout = _evaluate_versions(settings, registry, eval_versions, options.seed, pool.sampling)
     trainable = _trainable_tokens(registry, versions)
     served_success = _served_success_by_version(pool)
     summary = {
@@ -341,7 +336,7 @@ def run_demo(settings: Settings, options: DemoOptions, stop: threading.Event) ->
         "heldout_by_version": {str(k): v for k, v in heldout.items()},
         "heldout_success_start": heldout[eval_versions[0]],
         "heldout_success_end": heldout[eval_versions[-1]],
-        "sampling": options.request_sampling,
+        "sampling": pool.sampling,
         # Trainable completion tokens of the trajectories the trainer took, over all their completion
         # tokens (the rest: greedy turns, unsupported knobs, outside the support), from version metrics.
         "trainable_token_fraction": trainable["fraction"],

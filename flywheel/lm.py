@@ -25,7 +25,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from transformers.utils import logging as hf_logging
 
 from flywheel.logprobs import processed_logprobs
-from flywheel.sampling import Processing
+from flywheel.sampling import NEUTRAL, Processing
 
 hf_logging.disable_progress_bar()  # a server's log is no place for progress bars
 
@@ -75,20 +75,16 @@ def generate(
     prompts: list[list[int]],
     *,
     max_new_tokens: int,
-    temperature: float = 1.0,
-    top_p: float = 1.0,
-    processing: Processing | None = None,
+    processing: Processing = NEUTRAL,
     seed: int | None = None,
     eos_token_id: int,
 ) -> list[Sample]:
-    """Sample one completion per prompt under ``processing`` (default: ``temperature`` and ``top_p``
-    alone). Deterministic for a given ``seed`` and batch."""
+    """Sample one completion per prompt under ``processing`` (default: the model's own
+    distribution). Deterministic for a given ``seed`` and batch."""
     if not prompts:
         return []
     if any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
-    if processing is None:
-        processing = Processing(temperature=temperature, top_p=top_p)
     if not 0.0 < processing.top_p <= 1.0:
         raise ValueError("top_p must be in (0, 1]")
     gen = None

@@ -50,7 +50,7 @@ GREEDY_BELOW = 1e-5
 #: (``ModelConfig.get_diff_sampling_param``, vllm/config/model.py); ``max_new_tokens`` is ``max_tokens``.
 GENERATION_CONFIG_KEYS = ("repetition_penalty", "temperature", "top_k", "top_p", "min_p", "max_new_tokens")
 #: The keys :func:`generation_defaults` gives (what a node's heartbeat may announce).
-DEFAULT_KEYS = frozenset({"repetition_penalty", "temperature", "top_k", "top_p", "min_p", "max_tokens"})
+DEFAULT_KEYS = frozenset(GENERATION_CONFIG_KEYS) - {"max_new_tokens"} | {"max_tokens"}
 
 
 @dataclass(frozen=True)
@@ -135,7 +135,7 @@ def applied(body: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict[str, A
         if value is None and key not in _REQUEST_ONLY:
             value = defaults.get(key)
         out[key] = neutral if value is None else value
-    if out["top_k"] in (None, -1):
+    if out["top_k"] == -1:  # vLLM's other "off"
         out["top_k"] = 0
     bias = body.get("logit_bias")
     out["logit_bias"] = {str(k): float(v) for k, v in bias.items()} if isinstance(bias, Mapping) and bias else None

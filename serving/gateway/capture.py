@@ -111,16 +111,17 @@ def extract_served(body: dict[str, Any], headers: Mapping[str, str], kind: Kind 
 def _logprobs(value: Any, kind: Kind) -> list[float]:
     if kind == "chat":
         content = value.get("content") if isinstance(value, dict) else None
-        if not isinstance(content, list) or not all(isinstance(e, dict) and _is_number(e.get("logprob")) for e in content):
+        if not isinstance(content, list) or not all(isinstance(e, dict) and is_number(e.get("logprob")) for e in content):
             raise CaptureError("upstream response lacks choices[0].logprobs.content")
         return [float(e["logprob"]) for e in content]
     values = value.get("token_logprobs") if isinstance(value, dict) else None
-    if not isinstance(values, list) or not all(_is_number(v) for v in values):
+    if not isinstance(values, list) or not all(is_number(v) for v in values):
         raise CaptureError("upstream response lacks choices[0].logprobs.token_logprobs")
     return [float(v) for v in values]
 
 
-def _is_number(value: Any) -> bool:
+def is_number(value: Any) -> bool:
+    """A JSON number (int or float, not a bool)."""
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 

@@ -53,15 +53,11 @@ from flywheel.db.models import ModelVersion
 from flywheel.sampling import DEFAULT_KEYS
 from flywheel.settings import Settings
 from serving.errors import APIError
-from serving.gateway.capture import CaptureError
+from serving.gateway.capture import CaptureError, is_number
 
 log = logging.getLogger(__name__)
 
 #: Reads the admin-set per-tenant pins ({tenant: version}).
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
 Pins = Callable[[], Awaitable[Mapping[str, int]]]
 
 
@@ -165,7 +161,7 @@ def nodes_from_heartbeats(beats: Mapping[str, Mapping[str, Any]], model_line: st
             versions = tuple(v for v in versions if v in named)
             model_names = tuple((v, named[v]) for v in versions)
         defaults = beat.get("sampling_defaults")
-        defaults = tuple(sorted((k, v) for k, v in defaults.items() if k in DEFAULT_KEYS and _is_number(v))) \
+        defaults = tuple(sorted((k, v) for k, v in defaults.items() if k in DEFAULT_KEYS and is_number(v))) \
             if isinstance(defaults, dict) else ()
         nodes.append(NodeInfo(node_id, url.rstrip("/"), live, versions, str(beat.get("status", "")),
                               str(beat.get("region", "")), model_names, defaults))

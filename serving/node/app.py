@@ -317,8 +317,9 @@ def create_app(engine: Engine, updater: Any = None, settings: Settings | None = 
                            "from another distribution than asked); leave it out or serve with vLLM",
                            param=unsupported[0])
         applied = sampling.applied(body, engine.sampling_defaults)
-        vocab = len(engine.tokenizer)
-        bad = next((t for t in applied["logit_bias"] or {} if int(t) >= vocab), None)
+        bias = applied["logit_bias"] or {}
+        vocab = len(engine.tokenizer) if bias else 0
+        bad = next((t for t in bias if int(t) >= vocab), None)
         if bad is not None:
             raise APIError(400, f"logit_bias names token id {bad}, outside the vocabulary (0..{vocab - 1})",
                            param="logit_bias")

@@ -66,7 +66,7 @@ def traffic(tiny_model_dir: Path) -> Traffic:
 
     def served(session_id: str, messages: list[dict], seed: int) -> GenerationEvent:
         prompt = chat_prompt_ids(tok, messages)
-        sample = generate(model, [prompt], max_new_tokens=8, temperature=1.0, seed=seed, eos_token_id=tok.eos_token_id)[0]
+        sample = generate(model, [prompt], max_new_tokens=8, seed=seed, eos_token_id=tok.eos_token_id)[0]
         return GenerationEvent(
             tenant=TENANT, session_id=session_id, generation_id=new_id(), model_line="tiny-sim", model_version=0,
             node_id="node-0", request={"messages": messages},

@@ -21,6 +21,7 @@ from flywheel.lm import (
     load_state,
     token_logprobs,
 )
+from flywheel.sampling import Processing
 
 pytestmark = pytest.mark.integration
 
@@ -81,8 +82,9 @@ def test_generation_is_seeded_and_stops_at_eos(loaded) -> None:
             assert len(s.token_ids) == 16
     short = generate(model, prompts, max_new_tokens=2, seed=1, eos_token_id=tok.eos_token_id)
     assert all(len(s.token_ids) <= 2 for s in short)
-    greedy = generate(model, prompts, max_new_tokens=16, temperature=0, eos_token_id=tok.eos_token_id)
-    assert greedy == generate(model, prompts[:3], max_new_tokens=16, temperature=0, eos_token_id=tok.eos_token_id) + greedy[3:]
+    greedy = generate(model, prompts, max_new_tokens=16, processing=Processing(temperature=0.0), eos_token_id=tok.eos_token_id)
+    assert greedy == generate(model, prompts[:3], max_new_tokens=16, processing=Processing(temperature=0.0),
+                              eos_token_id=tok.eos_token_id) + greedy[3:]
 
 
 def test_sampled_logprobs_match_a_full_forward_pass(loaded) -> None:
@@ -104,7 +106,7 @@ def test_sampled_logprobs_match_a_full_forward_pass(loaded) -> None:
         assert len(full) == len(s.logprobs)
         assert max(abs(x - y) for x, y in zip(full, s.logprobs, strict=True)) < 1e-4
     # top-p renormalises: every sampled token's logprob is >= its full-distribution logprob
-    nucleus = generate(model, prompts, max_new_tokens=12, seed=7, top_p=0.5, eos_token_id=tok.eos_token_id)
+    nucleus = generate(model, prompts, max_new_tokens=12, seed=7, processing=Processing(top_p=0.5), eos_token_id=tok.eos_token_id)
     for prompt, s in zip(prompts, nucleus, strict=True):
         full = token_logprobs(model, prompt + s.token_ids)[len(prompt) - 1 :]
         assert all(lp >= f - 1e-5 for lp, f in zip(s.logprobs, full, strict=True))
