@@ -104,6 +104,11 @@ class GenerationEvent(_Event):
     sampling: SamplingParams
     finish_reason: str | None = None
     latency_ms: float = Field(ge=0)
+    #: A request for ``n > 1`` choices is one group of samples of one prompt: each choice is its
+    #: own event, the group's events share ``group_id`` (the request's id) and the prompt, and
+    #: ``choice_index`` is the choice's ``index`` in the response. ``None`` and 0 for ``n = 1``.
+    group_id: Ident | None = Field(None, max_length=128)
+    choice_index: int = Field(0, ge=0)
 
     @model_validator(mode="after")
     def _aligned(self) -> GenerationEvent:
@@ -174,6 +179,10 @@ class Turn(BaseModel):
     #: Why the trainer must not train on this turn even though its distribution is known, e.g.
     #: ``unsupported:response_format``; None: trainable (greedy turns are recognised by temperature).
     untrainable: str | None = Field(None, max_length=200)
+    #: The sampled group this turn is one choice of (``GenerationEvent.group_id``): its siblings
+    #: answered the same prompt, and the rewards stage uses them as its baseline. None: n = 1.
+    group_id: Ident | None = Field(None, max_length=128)
+    choice_index: int = Field(0, ge=0)
 
 
 class Segment(BaseModel):

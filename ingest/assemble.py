@@ -4,15 +4,23 @@ Pure: no IO, no clock. The same inputs always give the same event, down to its `
 re-emitting a trajectory after a crash is a no-op for every idempotent consumer.
 
 Segment rule (token ids exactly as served, never re-tokenised). Generations are taken in served
-order (``ts``; ties keep the input order). With ``T`` the tokens of the current segment, a
-generation with prompt ids ``P`` and completion ids ``C``:
+order: by ``ts``, then ``choice_index``, then input order, so the choices of one ``n > 1`` request
+(one group: the same ``ts``) come in index order whatever order they arrived in. With ``T`` the
+tokens of the current (newest) segment, a generation with prompt ids ``P`` and completion ids ``C``:
 
 - extends the segment when ``T`` is non-empty and ``P`` starts with ``T``: the new context
   ``P[len(T):]`` is appended with mask 0 and logprob 0.0, then ``C`` with mask 1 and the served
   logprobs;
 - otherwise starts a new segment ``P + C`` (prompt: mask 0, logprob 0.0; completion: mask 1).
 
-Each turn records ``tokens[start:end] == C`` in its segment, with the version that served it.
+Sibling choices share ``P``: choice 0 extends or starts a segment as any turn does, and each later
+sibling starts its own segment ``P + C`` (its ``P`` cannot start with its elder sibling's ``P + C``;
+when that completion was empty it extends instead, which gives the same tokens). The turn after a
+group extends only the newest segment, the last sibling's: a user who went on with another choice
+sends a prompt that starts a new segment of its own.
+
+Each turn records ``tokens[start:end] == C`` in its segment, with the version that served it and
+its generation's ``group_id`` and ``choice_index``.
 
 Invariants: mask is 1 exactly on completion tokens; ``logprobs`` is 0.0 wherever mask is 0; turns
 appear across segments in served order, so ``[t for s in segments for t in s.turns]`` lines up with
@@ -98,6 +106,7 @@ def turn_of(gen: GenerationEvent, start: int, end: int) -> Turn:
         repetition_penalty=s.repetition_penalty, presence_penalty=s.presence_penalty,
         frequency_penalty=s.frequency_penalty, logit_bias=s.logit_bias,
         untrainable=f"unsupported:{','.join(s.unsupported)}"[:200] if s.unsupported else None,
+        group_id=gen.group_id, choice_index=gen.choice_index,
     )
 
 
@@ -117,7 +126,8 @@ def assemble(
     """
     if not generations:
         raise ValueError(f"session {tenant}/{session_id} has no generations to assemble")
-    ordered = [gen for _, gen in sorted(enumerate(generations), key=lambda pair: (pair[1].ts, pair[0]))]
+    ordered = [gen for _, gen in sorted(enumerate(generations),
+                                        key=lambda pair: (pair[1].ts, pair[1].choice_index, pair[0]))]
     ordered_feedback = [fb for _, fb in sorted(enumerate(feedback), key=lambda pair: (pair[1].ts, pair[0]))]
     trajectory_id = trajectory_id_for(tenant, session_id)
     newest = max([gen.ts for gen in ordered] + [fb.ts for fb in ordered_feedback])

@@ -9,15 +9,21 @@ A builder returns, for the ``n`` turns of the trajectory in order across segment
 - ``turn_rewards`` (``n`` floats): rewards for signals about one turn, which stay on that turn;
 - ``outcome`` (``n`` floats, or empty for none): session outcomes, each at the turn it is anchored
   to (the turn an outcome names, else the last turn); the spec's credit rule (``rewards.credit``)
-  spreads them over the turns up to their anchor;
+  spreads them over the steps up to their anchor's;
 - ``components``: the same amounts summed per signal name.
 
 Invariant of a builder's output: ``total == sum(turn_rewards) + sum(outcome) == sum(components.values())``.
 :class:`Ledger` keeps it for any builder, custom ones included.
 
-Where signals land: feedback naming a generation lands on that turn; feedback naming a generation
-outside the trajectory is ignored; session-level explicit and implicit feedback lands on the last
-turn, and ``abandon`` always does (abandoning is about how the session ended).
+Where signals land: feedback naming a generation lands on that turn, whichever choice of a sampled
+group it is (a verifier's ``tests_passed`` on choice 2 is choice 2's alone); feedback naming a
+generation outside the trajectory is ignored; session-level feedback (naming no generation: explicit,
+implicit and outcomes) lands on the last step, and ``abandon`` always does (abandoning is about how
+the session ended). The last step is the last turn, or, when the session ended on an ``n > 1``
+request, its ``k`` choices (``rewards.credit.steps_of``), each getting ``1/k`` of the amount
+(:meth:`Ledger.parts`): a session-level signal weighs the same whatever ``n`` was, says nothing
+about one choice against another, and spreads to earlier steps as from one turn (``rewards.credit``).
+For a session without groups all of this is "the last turn", as it always was.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from flywheel.events import FeedbackEvent, TrajectoryEvent
+from rewards.credit import steps_of, turn_groups
 from rewards.spec import ExplicitParams, ImplicitParams, LengthParams, OutcomeParams
 
 
@@ -52,19 +59,37 @@ class Ledger:
     def __init__(self, traj: TrajectoryEvent) -> None:
         self.turn_ids = [turn.generation_id for segment in traj.segments for turn in segment.turns]
         self.n = len(self.turn_ids)
+        #: The step of each turn (``rewards.credit.steps_of``); the turns of the last step, in turn
+        #: order (empty: no turns); and the last of those, where session-level outcomes are anchored.
+        self.steps = steps_of(turn_groups(traj))
+        final = max(self.steps, default=-1)
+        self.last_step = [i for i, step in enumerate(self.steps) if step == final]
+        self.last = self.last_step[-1] if self.last_step else None
         self._index = {gid: i for i, gid in enumerate(self.turn_ids)}
         self._turns = [0.0] * self.n
         self._outcome = [0.0] * self.n
         self._components: dict[str, float] = {}
 
     def target(self, fb: FeedbackEvent) -> int | None:
-        """The turn ``fb`` is about: the one it names, the last turn when it names none, ``None``
-        when it names a generation outside the trajectory (or there are no turns)."""
-        if self.n == 0:
-            return None
+        """The turn an outcome ``fb`` is anchored at: the one it names, :attr:`last` when it names
+        none, ``None`` when it names a generation outside the trajectory (or there are no turns)."""
         if fb.generation_id is None:
-            return self.n - 1
+            return self.last
         return self._index.get(fb.generation_id)
+
+    def parts(self, fb: FeedbackEvent) -> list[tuple[int, float]]:
+        """Where ``fb`` lands, as ``(turn, fraction of its amount)``: all of it on the turn it names;
+        split evenly over the turns of the last step when it names none (:meth:`last_parts`);
+        nowhere when it names a generation outside the trajectory (or there are no turns)."""
+        if fb.generation_id is None:
+            return self.last_parts()
+        i = self._index.get(fb.generation_id)
+        return [] if i is None else [(i, 1.0)]
+
+    def last_parts(self) -> list[tuple[int, float]]:
+        """The last step's turns, each with an equal fraction: a session-level signal weighs the same
+        whatever ``n`` the session ended with."""
+        return [(i, 1.0 / len(self.last_step)) for i in self.last_step]
 
     def turn(self, signal: str, i: int, amount: float) -> None:
         """A reward for turn ``i`` only."""
@@ -92,43 +117,51 @@ def explicit(traj: TrajectoryEvent, p: ExplicitParams) -> RewardOutput:
     ``rating``: :func:`scale_rating` times ``rating``. Comments do not score."""
     ledger = Ledger(traj)
     for fb in traj.feedback:
-        if fb.kind != "explicit" or fb.value is None or (i := ledger.target(fb)) is None:
+        if fb.kind != "explicit" or fb.value is None:
             continue
         if fb.signal == "thumbs" and fb.value != 0:
-            ledger.turn("thumbs", i, p.thumbs_up if fb.value > 0 else p.thumbs_down)
+            amount = p.thumbs_up if fb.value > 0 else p.thumbs_down
         elif fb.signal == "rating":
-            ledger.turn("rating", i, p.rating * scale_rating(fb.value, p))
+            amount = p.rating * scale_rating(fb.value, p)
+        else:
+            continue
+        for i, part in ledger.parts(fb):
+            ledger.turn(fb.signal, i, amount * part)
     return ledger.output()
 
 
 def implicit(traj: TrajectoryEvent, p: ImplicitParams) -> RewardOutput:
     """``edit_accepted``, ``edit_rejected``, ``retry``: their amount on the turn;
     ``text_kept``: ``text_kept`` times the kept fraction (value clamped to [0, 1], missing = 1);
-    ``abandon``: its amount on the last turn, whatever it names."""
+    ``abandon``: its amount on the last step, whatever it names (if it names one of this trajectory)."""
     ledger = Ledger(traj)
     for fb in traj.feedback:
-        if fb.kind != "implicit" or (i := ledger.target(fb)) is None:
+        if fb.kind != "implicit" or not (parts := ledger.parts(fb)):
             continue
         if fb.signal == "abandon":
-            ledger.turn("abandon", ledger.n - 1, p.abandon)
+            amount, parts = p.abandon, ledger.last_parts()
         elif fb.signal == "text_kept":
-            kept = 1.0 if fb.value is None else max(0.0, min(1.0, fb.value))
-            ledger.turn("text_kept", i, p.text_kept * kept)
+            amount = p.text_kept * (1.0 if fb.value is None else max(0.0, min(1.0, fb.value)))
         elif fb.signal in ("edit_accepted", "edit_rejected", "retry"):
-            ledger.turn(fb.signal, i, getattr(p, fb.signal))
+            amount = getattr(p, fb.signal)
+        else:
+            continue
+        for i, part in parts:
+            ledger.turn(fb.signal, i, amount * part)
     return ledger.output()
 
 
 def outcome(traj: TrajectoryEvent, p: OutcomeParams) -> RewardOutput:
     """``task_solved`` / ``tests_passed``: value 1 (or missing) -> ``success``, 0 -> ``failure``,
     linear in between (a fraction of tests passed; clamped to [0, 1]); a session outcome anchored
-    at the turn it names, else the last turn."""
+    at the turn it names, else split over the last step's turns (:meth:`Ledger.parts`)."""
     ledger = Ledger(traj)
     for fb in traj.feedback:
-        if fb.kind != "outcome" or (i := ledger.target(fb)) is None:
+        if fb.kind != "outcome":
             continue
         v = 1.0 if fb.value is None else max(0.0, min(1.0, fb.value))
-        ledger.session("outcome", i, p.failure + v * (p.success - p.failure))
+        for i, part in ledger.parts(fb):
+            ledger.session("outcome", i, (p.failure + v * (p.success - p.failure)) * part)
     return ledger.output()
 
 

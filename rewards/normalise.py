@@ -14,16 +14,28 @@ rewards ``r``:
   ``1 / (1 - decay)`` observations, exponential after): ``δ = x - mean; mean += α δ;
   var = (1 - α)(var + α δ²)``. ``mean`` is taken before the sample, ``std`` after it; before
   ``warmup`` observations the std is 1 (centring only); with no observation the mean is 0.
-- ``advantage_i = (r_i - mean) / max(std, std_floor)`` (``scale = "std"``) or ``r_i - mean``
+- Siblings instead, whatever the two rules above give: the turns of a sampled group (the ``n > 1``
+  choices of one request, sharing a ``group_id``: ``rewards.credit.turn_groups``) with at least
+  two members in the sample are compared with each other. A member's ``mean`` is the mean of the
+  OTHER members' turn rewards (leave-one-out, as in RLOO) and its ``std`` the population std of
+  all the members' (GRPO's group std). Siblings answered the same prompt in the same context, so
+  what they share (a session outcome, their step's credit) cancels and what tells them apart
+  stays. Every other turn gets the sample's baseline above, computed as if there were no groups
+  (over all of the sample's turn rewards, the siblings' included).
+- ``advantage_i = (r_i - mean_i) / max(std_i, std_floor)`` (``scale = "std"``) or ``r_i - mean_i``
   (``"none"``), clipped to ``±clip`` (0: no clip). Then the sample joins its group and the running
-  statistics.
+  statistics, every turn alike (:meth:`Normaliser.observe`: siblings are observations too).
+
+Example: choices with turn rewards ``[1, 0, -1]``: means ``[-0.5, 0.0, 0.5]``, std ``sqrt(2/3)``,
+advantages ``[1.5, 0.0, -1.5] / sqrt(2/3)`` (``scale = "std"``).
 
 State is in memory and is **rebuilt, not persisted**: at start the worker replays the newest
 ``rewards.restore_rows`` scored, non-held-out rows of its spec version, oldest first, through
 :meth:`Normaliser.observe`, so a restart continues from (nearly) the statistics it stopped with,
-and several workers of one group converge on the same statistics. Held-out samples never enter the
-statistics (they must not shape training) and get no advantages. ``rescore`` replays every stored
-trajectory in storage order through a fresh normaliser, so its advantages are reproducible.
+and several workers of one group converge on the same statistics (sibling baselines need no
+state: they come from the sample alone). Held-out samples never enter the statistics (they must
+not shape training) and get no advantages. ``rescore`` replays every stored trajectory in storage
+order through a fresh normaliser, so its advantages are reproducible.
 """
 
 from __future__ import annotations
@@ -62,6 +74,26 @@ def population_std(values: Sequence[float]) -> float:
     return math.sqrt(fmean((v - mean) ** 2 for v in values))
 
 
+def sibling_baselines(turn_rewards: Sequence[float], groups: Sequence[str | None]) -> list[tuple[float, float] | None]:
+    """Per turn, ``(mean, std)`` against its siblings (module docstring); ``None`` for a turn in no
+    group (``groups[i]`` None) or in a group with no other member in the sample."""
+    if len(groups) != len(turn_rewards):
+        raise ValueError(f"{len(groups)} group ids for {len(turn_rewards)} turn rewards")
+    members: dict[str, list[int]] = {}
+    for i, group in enumerate(groups):
+        if group is not None:
+            members.setdefault(group, []).append(i)
+    out: list[tuple[float, float] | None] = [None] * len(turn_rewards)
+    for turns in members.values():
+        if len(turns) < 2:
+            continue
+        rewards = [turn_rewards[i] for i in turns]
+        std = population_std(rewards)
+        for k, i in enumerate(turns):
+            out[i] = (fmean(rewards[:k] + rewards[k + 1 :]), std)
+    return out
+
+
 class Normaliser:
     """Group-relative or running-statistics advantages (module docstring); not thread-safe."""
 
@@ -91,11 +123,16 @@ class Normaliser:
         std = math.sqrt(after.var) if after.count >= self.spec.warmup else 1.0
         return before.mean, std, "running"
 
-    def advantages(self, tenant: str, model_line: str, prompt_key: str | None, turn_rewards: Sequence[float]) -> list[float]:
-        """The sample's per-turn advantages; then the sample is observed."""
-        mean, std, _ = self.baseline(tenant, model_line, prompt_key, turn_rewards)
-        scale = max(std, self.spec.std_floor) if self.spec.scale == "std" else 1.0
-        out = [(r - mean) / scale for r in turn_rewards]
+    def advantages(self, tenant: str, model_line: str, prompt_key: str | None, turn_rewards: Sequence[float],
+                   groups: Sequence[str | None] | None = None) -> list[float]:
+        """The sample's per-turn advantages, ``groups`` being each turn's sampled group (None: no
+        groups); then the sample is observed."""
+        shared = self.baseline(tenant, model_line, prompt_key, turn_rewards)[:2]
+        siblings = sibling_baselines(turn_rewards, groups) if groups is not None else [None] * len(turn_rewards)
+        out = []
+        for r, own in zip(turn_rewards, siblings, strict=True):
+            mean, std = shared if own is None else own
+            out.append((r - mean) / (max(std, self.spec.std_floor) if self.spec.scale == "std" else 1.0))
         if self.spec.clip:
             out = [max(-self.spec.clip, min(self.spec.clip, a)) for a in out]
         self.observe(tenant, model_line, prompt_key, turn_rewards)

@@ -28,7 +28,7 @@ from flywheel.db.models import ScoredTrajectoryRow, Trajectory
 from flywheel.db.session import make_session_factory, open_database
 from flywheel.events import TrajectoryEvent
 from flywheel.settings import Settings
-from rewards import store
+from rewards import credit, store
 from rewards.normalise import Normaliser
 from rewards.scorer import Scorer
 from rewards.spec import SpecError, load_spec
@@ -72,7 +72,7 @@ def rescore(settings: Settings, spec_path: str) -> RescoreResult:
                 rewards = scorer(traj)
                 held_out = scorer.held_out(traj)
                 advantages = None if held_out else normaliser.advantages(
-                    traj.tenant, traj.model_line, traj.prompt_key, rewards.turn_rewards)
+                    traj.tenant, traj.model_line, traj.prompt_key, rewards.turn_rewards, credit.turn_groups(traj))
                 batch.append(scorer.scored(traj, rewards, advantages=advantages, held_out=held_out))
             with sessions() as db, db.begin():
                 inserted += len(store.insert_scored(db, batch))

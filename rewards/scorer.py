@@ -1,12 +1,14 @@
 """A reward spec compiled into one function ``trajectory -> RewardOutput``, and the scored event it makes.
 
 Order: every enabled builder, each output times its ``weight`` -> the credit rule spreads the
-session outcomes over the turns (``rewards.credit``) -> clipping (``rewards.guards.clip``).
+session outcomes over the turns, by step (the choices of one sampled group are one step:
+``rewards.credit``) -> clipping (``rewards.guards.clip``).
 
 The final output's components are the builders' per-signal sums (weighted; builders naming the same
 signal add up) plus two adjustments, present when not zero: ``credit``, what the credit rule added
-by giving earlier turns a share of an outcome, and ``clip``, what clipping changed. Invariant:
-``total == sum(turn_rewards) == sum(components.values())`` (to 1e-9), and ``outcome`` is empty.
+by giving earlier steps, and the siblings of an outcome's anchor, a share of it, and ``clip``, what
+clipping changed. Invariant: ``total == sum(turn_rewards) == sum(components.values())`` (to 1e-9),
+and ``outcome`` is empty.
 
 Custom builders are found by entry point (group ``flywheel.reward_builders``, :data:`ENTRY_POINT_GROUP`)
 or by ``module:function``, when the scorer is built: a missing one fails at start, not mid-stream.
@@ -100,7 +102,7 @@ class Scorer:
                 outcome[i] += weight * r
             for signal, value in out.components.items():
                 components[signal] = components.get(signal, 0.0) + weight * value
-        credited = credit.assign(turns, outcome, self.spec.credit)
+        credited = credit.assign(turns, outcome, self.spec.credit, credit.steps_of(credit.turn_groups(traj)))
         clipped = guards.clip(credited, self.spec.guards.clip_turn, self.spec.guards.clip_total)
         for key, delta in (("credit", sum(credited) - sum(turns) - sum(outcome)), ("clip", sum(clipped) - sum(credited))):
             if abs(delta) > _NOISE:

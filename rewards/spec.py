@@ -177,7 +177,8 @@ class CreditSpec(_Strict):
     """How a session outcome is spread over turns (``rewards.credit``)."""
 
     rule: Literal["discounted", "last_turn", "uniform"] = "discounted"
-    #: ``discounted`` only: a turn k turns before the outcome's anchor gets ``discount**k`` of it.
+    #: ``discounted`` only: a step k steps before the outcome's anchor gets ``discount**k`` of it (a
+    #: step is a turn, or the choices of one sampled group: ``rewards.credit``).
     discount: float = Field(0.5, ge=0, le=1)
 
 

@@ -44,7 +44,7 @@ from flywheel.db.session import BAD_ROW, OutageWait, make_session_factory, open_
 from flywheel.events import ScoredTrajectory, TrajectoryEvent
 from flywheel.health import Beat
 from flywheel.settings import RewardSettings, Settings
-from rewards import store
+from rewards import credit, store
 from rewards.builders import RewardOutput
 from rewards.normalise import Normaliser
 from rewards.scorer import Scorer, scored_event_id
@@ -145,7 +145,7 @@ def _store(batch: dict[str, tuple[TrajectoryEvent, RewardOutput, Record]], sessi
                 continue
             held_out = scorer.held_out(traj)
             advantages = None if held_out else normaliser.advantages(
-                traj.tenant, traj.model_line, traj.prompt_key, rewards.turn_rewards)
+                traj.tenant, traj.model_line, traj.prompt_key, rewards.turn_rewards, credit.turn_groups(traj))
             fresh.append(scorer.scored(traj, rewards, advantages=advantages, held_out=held_out))
         encoded = {s.event_id: s.model_dump_json() for s in fresh}  # stored and produced from one encoding
         inserted = store.insert_scored(db, fresh, encoded)
