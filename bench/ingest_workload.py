@@ -60,8 +60,8 @@ def session(rng: random.Random) -> list[Event]:
                       "total_tokens": len(prompt) + len(completion)},
         }
         served = capture.extract_served(response, {"X-Flywheel-Node": "bench-node"})
-        generation = capture.generation_event(
-            generation_id=uuid.UUID(int=rng.getrandbits(128)).hex, tenant=TENANT, session_id=session_id,
+        (generation,) = capture.generation_events(
+            request_id=uuid.UUID(int=rng.getrandbits(128)).hex, tenant=TENANT, session_id=session_id,
             model_line=MODEL_LINE, request_body=body, response_body=response, served=served,
             latency_ms=rng.uniform(200, 900), sampling_defaults={},
         )

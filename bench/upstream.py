@@ -4,7 +4,8 @@ served by a bare asyncio HTTP/1.1 server so that it costs as little CPU as possi
 
 It answers ``POST /v1/chat/completions`` and ``POST /v1/completions`` (plain or ``stream: true``;
 a chat request that offers ``tools`` gets a call to the first one, as a tool-parsing server returns
-it), and ``GET /v1/models``; ``delay_ms`` holds every completion that long (a model's decode time).
+it; ``n`` choices, each the canned completion, a stream interleaving them token by token as vLLM
+does), and ``GET /v1/models``; ``delay_ms`` holds every completion that long (a model's decode time).
 Every response is a fresh ``id``; the payload sizes follow ``prompt_tokens`` / ``completion_tokens``.
 
 Run it alone: ``python -m bench.upstream --port 9100 --delay-ms 0``.
@@ -49,69 +50,73 @@ class CannedUpstream:
         return {"id": f"call-{next(self._ids)}", "type": "function",
                 "function": {"name": name, "arguments": '{"letters": "q w e"}'}}
 
-    def chat(self, call: dict | None = None) -> dict:
-        body = self._chat()
+    def chat(self, call: dict | None = None, n: int = 1) -> dict:
+        body = self._chat(n)
         if call is not None:
-            choice = body["choices"][0]
-            choice["finish_reason"] = "tool_calls"
-            choice["message"] = {"role": "assistant", "content": None, "tool_calls": [call]}
+            for choice in body["choices"]:
+                choice["finish_reason"] = "tool_calls"
+                choice["message"] = {"role": "assistant", "content": None, "tool_calls": [call]}
         return body
 
-    def _chat(self) -> dict:
+    def _chat(self, n: int) -> dict:
         return {
             "id": f"chatcmpl-{next(self._ids)}", "object": "chat.completion", "created": 0, "model": MODEL,
             "model_version": self.version, "prompt_token_ids": self.prompt_ids,
             "choices": [{
-                "index": 0, "finish_reason": "stop", "token_ids": self.token_ids,
+                "index": index, "finish_reason": "stop", "token_ids": self.token_ids,
                 "message": {"role": "assistant", "content": self.text},
                 "logprobs": {"content": [{"token": f"w{t}", "logprob": lp, "bytes": None, "top_logprobs": []}
                                          for t, lp in zip(self.token_ids, self.logprobs)]},
-            }],
-            "usage": self.usage(),
+            } for index in range(n)],
+            "usage": self.usage(n),
         }
 
-    def text_completion(self) -> dict:
+    def text_completion(self, n: int = 1) -> dict:
         return {
             "id": f"cmpl-{next(self._ids)}", "object": "text_completion", "created": 0, "model": MODEL,
             "model_version": self.version,
             "choices": [{
-                "index": 0, "finish_reason": "stop", "text": self.text, "token_ids": self.token_ids,
+                "index": index, "finish_reason": "stop", "text": self.text, "token_ids": self.token_ids,
                 "prompt_token_ids": self.prompt_ids,
                 "logprobs": {"tokens": [f"w{t}" for t in self.token_ids], "token_logprobs": self.logprobs},
-            }],
-            "usage": self.usage(),
+            } for index in range(n)],
+            "usage": self.usage(n),
         }
 
-    def usage(self) -> dict:
-        n, m = len(self.prompt_ids), len(self.token_ids)
-        return {"prompt_tokens": n, "completion_tokens": m, "total_tokens": n + m}
+    def usage(self, n: int = 1) -> dict:
+        prompt, completion = len(self.prompt_ids), n * len(self.token_ids)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
-    def chunks(self, chat: bool, call: dict | None = None) -> Iterator[dict]:
-        """A stream as vLLM sends it: prompt ids first, a token per chunk, finish, then usage; with
-        a tool ``call``, its name on the first chunk and its arguments spread over the others."""
+    def chunks(self, chat: bool, call: dict | None = None, n: int = 1) -> Iterator[dict]:
+        """A stream as vLLM sends it: prompt ids first, a token per chunk (the ``n`` choices' chunks
+        interleaved), finish, then usage; with a tool ``call``, its name on the first chunk and its
+        arguments spread over the others."""
         base = {"id": f"chatcmpl-{next(self._ids)}", "created": 0, "model": MODEL, "model_version": self.version,
                 "object": "chat.completion.chunk" if chat else "text_completion"}
         for i, (t, lp) in enumerate(zip(self.token_ids, self.logprobs)):
             last = i == len(self.token_ids) - 1
-            if chat:
-                delta: dict = {"content": f"w{t} "}
-                if call is not None:
-                    args = call["function"]["arguments"]
-                    part = args[i * len(args) // len(self.token_ids):(i + 1) * len(args) // len(self.token_ids)]
-                    function = {"arguments": part} | ({"name": call["function"]["name"]} if i == 0 else {})
-                    delta = {"tool_calls": [{"index": 0, "function": function}
-                                            | ({"id": call["id"], "type": "function"} if i == 0 else {})]}
-                choice = {"index": 0, "delta": delta | ({"role": "assistant"} if i == 0 else {}),
-                          "logprobs": {"content": [{"token": f"w{t}", "logprob": lp, "bytes": None, "top_logprobs": []}]}}
-            else:
-                choice = {"index": 0, "text": f"w{t} ", "logprobs": {"tokens": [f"w{t}"], "token_logprobs": [lp]}}
-            finish = ("tool_calls" if call is not None else "stop") if last else None
-            choice |= {"token_ids": [t], "finish_reason": finish}
-            chunk = base | {"choices": [choice]}
-            if i == 0:
-                chunk["prompt_token_ids"] = self.prompt_ids
-            yield chunk
-        yield base | {"choices": [], "usage": self.usage()}
+            for index in range(n):
+                if chat:
+                    delta: dict = {"content": f"w{t} "}
+                    if call is not None:
+                        args = call["function"]["arguments"]
+                        part = args[i * len(args) // len(self.token_ids):(i + 1) * len(args) // len(self.token_ids)]
+                        function = {"arguments": part} | ({"name": call["function"]["name"]} if i == 0 else {})
+                        delta = {"tool_calls": [{"index": 0, "function": function}
+                                                | ({"id": call["id"], "type": "function"} if i == 0 else {})]}
+                    choice = {"index": index, "delta": delta | ({"role": "assistant"} if i == 0 else {}),
+                              "logprobs": {"content": [{"token": f"w{t}", "logprob": lp, "bytes": None,
+                                                        "top_logprobs": []}]}}
+                else:
+                    choice = {"index": index, "text": f"w{t} ",
+                              "logprobs": {"tokens": [f"w{t}"], "token_logprobs": [lp]}}
+                finish = ("tool_calls" if call is not None else "stop") if last else None
+                choice |= {"token_ids": [t], "finish_reason": finish}
+                chunk = base | {"choices": [choice]}
+                if i == 0:
+                    chunk["prompt_token_ids"] = self.prompt_ids
+                yield chunk
+        yield base | {"choices": [], "usage": self.usage(n)}
 
     # HTTP ----------------------------------------------------------------------------------------
 
@@ -150,15 +155,16 @@ class CannedUpstream:
         self.last_request = request
         chat = path == "/v1/chat/completions"
         call = self.tool_call(request) if chat else None
+        n = request["n"] if type(request.get("n")) is int and request["n"] > 0 else 1
         if request.get("stream"):
             head = "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n"
             head += "".join(f"{k}: {v}\r\n" for k, v in headers.items())
             writer.write(head.encode() + b"\r\n")
-            for chunk in self.chunks(chat, call):
+            for chunk in self.chunks(chat, call, n):
                 writer.write(_chunked(b"data: " + json.dumps(chunk).encode() + b"\n\n"))
             writer.write(_chunked(b"data: [DONE]\n\n") + b"0\r\n\r\n")
             return None
-        return self.send(writer, 200, self.chat(call) if chat else self.text_completion(), headers)
+        return self.send(writer, 200, self.chat(call, n) if chat else self.text_completion(n), headers)
 
     @staticmethod
     def send(writer: asyncio.StreamWriter, status: int, body: dict, headers: dict | None = None) -> None:

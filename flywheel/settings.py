@@ -193,6 +193,9 @@ class GatewaySettings(_Section):
     auth: Literal["off", "on"] = "off"
     default_tenant: str = "local"
     max_body_bytes: int = Field(1_000_000, ge=1_024)
+    #: The most choices (OpenAI's ``n``) one request may ask for; more is a 400 naming ``n``. Each
+    #: choice is captured as its own generation, the request's choices as one group.
+    max_n: int = Field(8, ge=1, le=128)
     #: Slow clients (slowloris, docs/security.md): a request's line and headers must arrive within
     #: ``header_read_timeout_s`` of its first byte (or of the connection opening) and within
     #: ``max_header_bytes``, else the connection gets a 408 or 431 and is closed; its body must
@@ -248,6 +251,8 @@ class NodeSettings(_Section):
     #: How often the updater looks for a newer stable version (database poll fallback).
     poll_s: float = Field(1.0, gt=0)
     max_new_tokens: int = Field(16, ge=1, le=4096)
+    #: The most choices (``n``) one request may ask this node for; more is a 400 naming ``n``.
+    max_n: int = Field(8, ge=1, le=128)
     #: Versions a node keeps loaded, so sessions pinned to a recent version stay on it (sticky).
     keep_versions: int = Field(4, ge=1)
     #: The base URL the gateway reaches this node at (heartbeats carry it); empty: http://host:port.

@@ -6,7 +6,8 @@ Invariants:
 - Unknown top-level fields are kept (``extra="allow"``) so the gateway forwards vendor extensions
   to an upstream such as vLLM untouched; unknown fields inside a message are kept as well.
 - ``messages`` is never empty and every role is one the chat template knows.
-- ``stream_options`` only comes with ``stream: true``; one choice per request (``n = 1``).
+- ``stream_options`` only comes with ``stream: true``; ``n`` (choices per request) is at most the
+  server's configured maximum (``max_n``), a 400 naming ``n`` above it.
 
 Server-Sent Events, as both apps write and the gateway reads them: each event is one
 ``data: <JSON>`` line and a blank line; a stream ends with ``data: [DONE]``; an error inside a
@@ -37,7 +38,10 @@ Role = Literal["system", "developer", "user", "assistant", "tool"]
 MODEL_VERSION_HEADER = "X-Flywheel-Model-Version"
 NODE_HEADER = "X-Flywheel-Node"
 SESSION_HEADER = "X-Flywheel-Session"
+#: The generation id of each choice of a served answer, comma-separated in index order (one id for n = 1).
 GENERATION_HEADER = "X-Flywheel-Generation"
+#: For n > 1: the id of the group the choices form (the request's id; not itself a feedback target).
+GENERATION_GROUP_HEADER = "X-Flywheel-Generation-Group"
 
 
 class TextPart(BaseModel):
@@ -84,7 +88,7 @@ class _SamplingFields(BaseModel):
     #: Token id (a JSON key) -> bias in [-100, 100], as OpenAI documents it.
     logit_bias: dict[str, float] | None = None
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
-    n: int | None = Field(1, ge=1, le=128)
+    n: int | None = Field(1, ge=1, le=128)  # at most the server's max_n (_check_common)
     stop: str | list[str] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
@@ -94,6 +98,11 @@ class _SamplingFields(BaseModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def choices(self) -> int:
+        """How many choices the request asks for (``n``, 1 when null)."""
+        return self.n or 1
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -162,25 +171,27 @@ class FeedbackBatch(BaseModel):
 _Request = TypeVar("_Request", bound=BaseModel)
 
 
-def _validate(model: type[_Request], body: Any) -> _Request:
+def _validate(model: type[_Request], body: Any, max_n: int) -> _Request:
     if not isinstance(body, dict):
         raise APIError(400, "request body must be a JSON object", code="invalid_json")
     try:
         request = model.model_validate(body)
     except ValidationError as exc:
         raise from_pydantic(exc) from None
-    _check_common(request)
+    _check_common(request, max_n)
     return request
 
 
-def parse_chat_request(body: Any) -> ChatCompletionRequest:
-    """Validate a parsed JSON body as a chat completion this server supports, or raise a 400."""
-    return _validate(ChatCompletionRequest, body)
+def parse_chat_request(body: Any, *, max_n: int = 1) -> ChatCompletionRequest:
+    """Validate a parsed JSON body as a chat completion this server supports (at most ``max_n``
+    choices), or raise a 400."""
+    return _validate(ChatCompletionRequest, body, max_n)
 
 
-def parse_completion_request(body: Any) -> CompletionRequest:
-    """Validate a parsed JSON body as a text completion this server supports, or raise a 400."""
-    req = _validate(CompletionRequest, body)
+def parse_completion_request(body: Any, *, max_n: int = 1) -> CompletionRequest:
+    """Validate a parsed JSON body as a text completion this server supports (at most ``max_n``
+    choices), or raise a 400."""
+    req = _validate(CompletionRequest, body, max_n)
     prompt = req.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         if len(prompt) != 1:
@@ -198,9 +209,10 @@ def parse_completion_request(body: Any) -> CompletionRequest:
     return req
 
 
-def _check_common(req: _SamplingFields) -> None:
-    if req.n not in (None, 1):
-        raise APIError(400, "only n=1 is supported", param="n")
+def _check_common(req: _SamplingFields, max_n: int) -> None:
+    if req.n is not None and req.n > max_n:
+        raise APIError(400, f"n is {req.n}; this server returns at most {max_n} choices per request",
+                       param="n", code="invalid_value")
     for token, bias in (req.logit_bias or {}).items():
         if not token.isdigit() or len(token) > 10:
             raise APIError(400, f"logit_bias keys are token ids; {token[:40]!r} is not one", param="logit_bias")

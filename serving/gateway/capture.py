@@ -11,11 +11,14 @@ Invariants:
   sampling; the event records what the engine applied (``flywheel.sampling.applied``).
 - A stream is captured whole or not at all: :class:`StreamAssembler` folds the upstream's chunks
   into the body a non-streaming call would have returned, and only a stream that reached its end
-  yields a :class:`Served`; the event then has the same shape as a non-streaming one.
+  yields its :class:`Served`; the events then have the same shape as a non-streaming call's.
+- A request for ``n`` choices gets exactly ``n`` from the upstream (indexes ``0..n-1``, one prompt,
+  one version) or is an upstream error; each choice becomes its own event (:func:`generation_events`,
+  ids from :func:`generation_ids`), the request's choices one group.
 
-Kinds: ``"chat"`` (``/v1/chat/completions``: logprobs in ``choices[0].logprobs.content``,
+Kinds: ``"chat"`` (``/v1/chat/completions``: logprobs in ``choices[i].logprobs.content``,
 ``prompt_token_ids`` top-level) and ``"text"`` (``/v1/completions``: logprobs in
-``choices[0].logprobs.token_logprobs``, ``prompt_token_ids`` on the choice, as vLLM puts them);
+``choices[i].logprobs.token_logprobs``, ``prompt_token_ids`` on each choice, as vLLM puts them);
 either place is accepted for the prompt ids.
 """
 
@@ -28,7 +31,14 @@ from typing import Any, Literal
 import orjson
 
 from flywheel import sampling
-from flywheel.events import FEEDBACK_SIGNALS, FeedbackEvent, GenerationEvent, SamplingParams, feedback_event_id
+from flywheel.events import (
+    FEEDBACK_SIGNALS,
+    FeedbackEvent,
+    GenerationEvent,
+    SamplingParams,
+    feedback_event_id,
+    utcnow,
+)
 from serving.protocol import (
     MODEL_VERSION_HEADER,
     NODE_HEADER,
@@ -47,7 +57,7 @@ class CaptureError(Exception):
 
 @dataclass(frozen=True)
 class Served:
-    """What the upstream engine says it did, extracted from its response."""
+    """What the upstream engine says it did for one choice, extracted from its response."""
 
     model_version: int
     node_id: str
@@ -55,6 +65,7 @@ class Served:
     completion_token_ids: list[int]
     completion_logprobs: list[float]
     finish_reason: str | None
+    index: int = 0
 
 
 def _header(headers: Mapping[str, str], name: str) -> str | None:
@@ -76,47 +87,62 @@ def _model_version(value: Any) -> int:
     return version
 
 
-def extract_served(body: dict[str, Any], headers: Mapping[str, str], kind: Kind = "chat") -> Served:
-    """Pull token ids, logprobs, version and node out of an upstream (chat or text) completion."""
+def _choice_index(choice: Any, n: int) -> int:
+    index = choice.get("index", 0) if isinstance(choice, dict) else None
+    if type(index) is not int or not 0 <= index < n:
+        raise CaptureError(f"upstream choice index {index!r} is not one of the {n} choices asked for (0..{n - 1})")
+    return index
+
+
+def extract_served(body: dict[str, Any], headers: Mapping[str, str], kind: Kind = "chat", n: int = 1) -> list[Served]:
+    """Token ids, logprobs, version and node of each of the ``n`` choices of an upstream (chat or
+    text) completion, in index order; exactly the indexes ``0..n-1``, each once, sharing one prompt."""
     choices = body.get("choices")
-    if not isinstance(choices, list) or len(choices) != 1 or not isinstance(choices[0], dict):
-        raise CaptureError("upstream response must have exactly one choice")
-    choice = choices[0]
+    if not isinstance(choices, list) or len(choices) != n or not all(isinstance(c, dict) for c in choices):
+        raise CaptureError(f"upstream response must have exactly {n} choice{'s' if n > 1 else ''}")
+    by_index = {_choice_index(c, n): c for c in choices}
+    if len(by_index) != n:
+        raise CaptureError("upstream response repeats a choice index")
 
     version: Any = body.get("model_version")
     model_version = _model_version(_header(headers, MODEL_VERSION_HEADER) if version is None else version)
+    node_id = _header(headers, NODE_HEADER) or "upstream"
+    out = []
+    for index in range(n):
+        choice = by_index[index]
+        prompt_ids = body.get("prompt_token_ids")
+        if prompt_ids is None:
+            prompt_ids = choice.get("prompt_token_ids")
+        completion_ids = choice.get("token_ids")
+        if not _is_int_list(prompt_ids) or not _is_int_list(completion_ids):
+            raise CaptureError(f"upstream response lacks prompt_token_ids / choices[{index}].token_ids (return_token_ids)")
+        if out and prompt_ids != out[0].prompt_token_ids:
+            raise CaptureError(f"upstream choices 0 and {index} name different prompt_token_ids")
+        logprobs = _logprobs(choice.get("logprobs"), kind, index)
+        if len(logprobs) != len(completion_ids):
+            raise CaptureError(f"upstream returned {len(logprobs)} logprobs for {len(completion_ids)} completion "
+                               f"tokens of choice {index}")
+        out.append(Served(
+            model_version=model_version,
+            node_id=node_id,
+            prompt_token_ids=list(prompt_ids),
+            completion_token_ids=list(completion_ids),
+            completion_logprobs=logprobs,
+            finish_reason=choice.get("finish_reason"),
+            index=index,
+        ))
+    return out
 
-    prompt_ids = body.get("prompt_token_ids")
-    if prompt_ids is None:
-        prompt_ids = choice.get("prompt_token_ids")
-    completion_ids = choice.get("token_ids")
-    if not _is_int_list(prompt_ids) or not _is_int_list(completion_ids):
-        raise CaptureError("upstream response lacks prompt_token_ids / choices[0].token_ids (return_token_ids)")
 
-    logprobs = _logprobs(choice.get("logprobs"), kind)
-    if len(logprobs) != len(completion_ids):
-        raise CaptureError(
-            f"upstream returned {len(logprobs)} logprobs for {len(completion_ids)} completion tokens"
-        )
-    return Served(
-        model_version=model_version,
-        node_id=_header(headers, NODE_HEADER) or "upstream",
-        prompt_token_ids=list(prompt_ids),
-        completion_token_ids=list(completion_ids),
-        completion_logprobs=logprobs,
-        finish_reason=choice.get("finish_reason"),
-    )
-
-
-def _logprobs(value: Any, kind: Kind) -> list[float]:
+def _logprobs(value: Any, kind: Kind, index: int) -> list[float]:
     if kind == "chat":
         content = value.get("content") if isinstance(value, dict) else None
         if not isinstance(content, list) or not all(isinstance(e, dict) and is_number(e.get("logprob")) for e in content):
-            raise CaptureError("upstream response lacks choices[0].logprobs.content")
+            raise CaptureError(f"upstream response lacks choices[{index}].logprobs.content")
         return [float(e["logprob"]) for e in content]
     values = value.get("token_logprobs") if isinstance(value, dict) else None
     if not isinstance(values, list) or not all(is_number(v) for v in values):
-        raise CaptureError("upstream response lacks choices[0].logprobs.token_logprobs")
+        raise CaptureError(f"upstream response lacks choices[{index}].logprobs.token_logprobs")
     return [float(v) for v in values]
 
 
@@ -136,34 +162,57 @@ def sampling_params(body: Mapping[str, Any], defaults: Mapping[str, Any]) -> Sam
     return SamplingParams(**sampling.applied(body, defaults), unsupported=sampling.unsupported_knobs(body))
 
 
-def generation_event(
+def generation_ids(request_id: str, n: int) -> list[str]:
+    """The generation id of each of a request's ``n`` choices, in index order: the request's own
+    id for ``n = 1``, else ``<request id>-<index>`` (the request's id is then the group's)."""
+    return [request_id] if n == 1 else [f"{request_id}-{index}" for index in range(n)]
+
+
+def generation_events(
     *,
-    generation_id: str,
+    request_id: str,
     tenant: str,
     session_id: str,
     model_line: str,
     request_body: dict[str, Any],
     response_body: dict[str, Any],
-    served: Served,
+    served: list[Served],
     latency_ms: float,
     sampling_defaults: Mapping[str, Any],
-) -> GenerationEvent:
-    return GenerationEvent(
-        tenant=tenant,
-        session_id=session_id,
-        generation_id=generation_id,
-        model_line=model_line,
-        model_version=served.model_version,
-        node_id=served.node_id,
-        request=request_body,
-        response=response_body,
-        prompt_token_ids=served.prompt_token_ids,
-        completion_token_ids=served.completion_token_ids,
-        completion_logprobs=served.completion_logprobs,
-        sampling=sampling_params(request_body, sampling_defaults),
-        finish_reason=served.finish_reason,
-        latency_ms=max(0.0, latency_ms),
-    )
+) -> list[GenerationEvent]:
+    """One event per choice (``served`` in index order). For ``n > 1`` the events share the
+    request's id as ``group_id``, the prompt and one timestamp, and each carries the response with
+    its own choice only (``usage`` stays the request's)."""
+    ids = generation_ids(request_id, len(served))
+    grouped = len(served) > 1
+    sampling = sampling_params(request_body, sampling_defaults)
+    ts = utcnow()
+    events = []
+    for one, generation_id in zip(served, ids, strict=True):
+        response = response_body
+        if grouped:
+            choice = next(c for c in response_body["choices"] if c.get("index", 0) == one.index)
+            response = {**response_body, "choices": [choice]}
+        events.append(GenerationEvent(
+            ts=ts,
+            tenant=tenant,
+            session_id=session_id,
+            generation_id=generation_id,
+            model_line=model_line,
+            model_version=one.model_version,
+            node_id=one.node_id,
+            request=request_body,
+            response=response,
+            prompt_token_ids=one.prompt_token_ids,
+            completion_token_ids=one.completion_token_ids,
+            completion_logprobs=one.completion_logprobs,
+            sampling=sampling,
+            finish_reason=one.finish_reason,
+            latency_ms=max(0.0, latency_ms),
+            group_id=request_id if grouped else None,
+            choice_index=one.index,
+        ))
+    return events
 
 
 def upstream_request(body: dict[str, Any], default_model: str, kind: Kind = "chat") -> dict[str, Any]:
@@ -238,22 +287,10 @@ def client_chunk(chunk: dict[str, Any], request: Request) -> dict[str, Any] | No
     return out
 
 
-class StreamAssembler:
-    """Folds an upstream stream's chunks into the body the same call would have returned without
-    ``stream`` (chat: ``message`` with content and merged tool calls; text: ``text``), with the
-    token ids, logprobs, prompt ids, usage and version every chunk contributed.
+class _Parts:
+    """What one choice's stream chunks carried so far."""
 
-    :meth:`feed` raises :class:`CaptureError` for a chunk that breaks the contract (not an object,
-    more than one choice, conflicting prompt ids or versions); :meth:`finish` raises it for a stream
-    that cannot be captured (no finish reason, ids and logprobs not aligned, no version).
-    """
-
-    def __init__(self, kind: Kind, headers: Mapping[str, str]) -> None:
-        self.kind = kind
-        self.headers = headers
-        self.meta: dict[str, Any] = {}
-        self.version: int | None = None
-        self.prompt_token_ids: list[int] | None = None
+    def __init__(self) -> None:
         self.token_ids: list[int] = []
         self.logprobs: list[Any] = []  # chat: content entries; text: token logprobs
         self.tokens: list[Any] = []  # text: the tokens of logprobs.tokens
@@ -261,6 +298,28 @@ class StreamAssembler:
         self.role = "assistant"
         self.tool_calls: dict[int, dict[str, Any]] = {}
         self.finish_reason: str | None = None
+
+
+class StreamAssembler:
+    """Folds an upstream stream's chunks into the body the same call would have returned without
+    ``stream`` (chat: ``message`` with content and merged tool calls; text: ``text``), with the
+    token ids, logprobs, prompt ids, usage and version every chunk contributed, for each of the
+    ``n`` choices the request asked for (chunks of different choices may interleave, as vLLM sends them).
+
+    :meth:`feed` raises :class:`CaptureError` for a chunk that breaks the contract (not an object,
+    a choice index outside ``0..n-1``, conflicting prompt ids or versions); :meth:`finish` raises it
+    for a stream that cannot be captured (a choice without a finish reason, ids and logprobs not
+    aligned, no version).
+    """
+
+    def __init__(self, kind: Kind, headers: Mapping[str, str], n: int = 1) -> None:
+        self.kind = kind
+        self.headers = headers
+        self.n = n
+        self.meta: dict[str, Any] = {}
+        self.version: int | None = None
+        self.prompt_token_ids: list[int] | None = None
+        self.choices = [_Parts() for _ in range(n)]
         self.usage: Any = None
         header = _header(headers, MODEL_VERSION_HEADER)
         if header is not None:
@@ -284,9 +343,7 @@ class StreamAssembler:
         if not isinstance(choices, list):
             raise CaptureError("upstream stream chunk has a choices field that is not a list")
         for choice in choices:
-            if not isinstance(choice, dict) or choice.get("index", 0) != 0:
-                raise CaptureError("upstream stream must have exactly one choice (index 0)")
-            self._choice(choice)
+            self._choice(self.choices[_choice_index(choice, self.n)], choice)
 
     def _prompt(self, ids: Any) -> None:
         if ids is None:
@@ -297,74 +354,78 @@ class StreamAssembler:
             raise CaptureError("upstream stream sent two different prompt_token_ids")
         self.prompt_token_ids = list(ids)
 
-    def _choice(self, choice: dict[str, Any]) -> None:
+    def _choice(self, parts: _Parts, choice: dict[str, Any]) -> None:
         self._prompt(choice.get("prompt_token_ids"))
         ids = choice.get("token_ids")
         if ids is not None:
             if not _is_int_list(ids):
-                raise CaptureError("upstream choices[0].token_ids is not a list of token ids")
-            self.token_ids.extend(ids)
+                raise CaptureError("upstream choice token_ids is not a list of token ids")
+            parts.token_ids.extend(ids)
         logprobs = choice.get("logprobs")
         if logprobs is not None:
             if not isinstance(logprobs, dict):
-                raise CaptureError("upstream choices[0].logprobs is not an object")
+                raise CaptureError("upstream choice logprobs is not an object")
             if self.kind == "chat":
-                self.logprobs.extend(logprobs.get("content") or [])
+                parts.logprobs.extend(logprobs.get("content") or [])
             else:
-                self.logprobs.extend(logprobs.get("token_logprobs") or [])
-                self.tokens.extend(logprobs.get("tokens") or [])
+                parts.logprobs.extend(logprobs.get("token_logprobs") or [])
+                parts.tokens.extend(logprobs.get("tokens") or [])
         if self.kind == "chat":
             delta = choice.get("delta") or {}
             if not isinstance(delta, dict):
-                raise CaptureError("upstream choices[0].delta is not an object")
-            self.role = delta.get("role") or self.role
+                raise CaptureError("upstream choice delta is not an object")
+            parts.role = delta.get("role") or parts.role
             if isinstance(delta.get("content"), str):
-                self.text.append(delta["content"])
+                parts.text.append(delta["content"])
             for call in delta.get("tool_calls") or []:
-                self._tool_call(call)
+                _tool_call(parts.tool_calls, call)
         elif isinstance(choice.get("text"), str):
-            self.text.append(choice["text"])
+            parts.text.append(choice["text"])
         if choice.get("finish_reason") is not None:
-            self.finish_reason = choice["finish_reason"]
+            parts.finish_reason = choice["finish_reason"]
 
-    def _tool_call(self, call: Any) -> None:
-        if not isinstance(call, dict):
-            raise CaptureError("upstream tool call delta is not an object")
-        merged = self.tool_calls.setdefault(int(call.get("index", len(self.tool_calls))), {"function": {}})
-        for key in ("id", "type"):
-            if call.get(key) is not None:
-                merged[key] = call[key]
-        function = call.get("function") or {}
-        if function.get("name"):
-            merged["function"]["name"] = function["name"]
-        if function.get("arguments") is not None:
-            merged["function"]["arguments"] = merged["function"].get("arguments", "") + function["arguments"]
-
-    def finish(self) -> tuple[dict[str, Any], Served]:
-        """The assembled response body and what it says was served."""
-        if self.finish_reason is None:
-            raise CaptureError("upstream stream ended without a finish_reason")
-        choice: dict[str, Any] = {"index": 0, "finish_reason": self.finish_reason, "token_ids": self.token_ids}
-        if self.kind == "chat":
-            message: dict[str, Any] = {"role": self.role, "content": "".join(self.text)}
-            if self.tool_calls:
-                message["tool_calls"] = [self.tool_calls[i] for i in sorted(self.tool_calls)]
-            choice.update(message=message, logprobs={"content": self.logprobs})
-        else:
-            choice.update(text="".join(self.text), logprobs={"tokens": self.tokens, "token_logprobs": self.logprobs})
+    def finish(self) -> tuple[dict[str, Any], list[Served]]:
+        """The assembled response body and what it says was served, choice by choice."""
+        choices = []
+        for index, parts in enumerate(self.choices):
+            if parts.finish_reason is None:
+                raise CaptureError(f"upstream stream ended without a finish_reason for choice {index}")
+            choice: dict[str, Any] = {"index": index, "finish_reason": parts.finish_reason, "token_ids": parts.token_ids}
+            if self.kind == "chat":
+                message: dict[str, Any] = {"role": parts.role, "content": "".join(parts.text)}
+                if parts.tool_calls:
+                    message["tool_calls"] = [parts.tool_calls[i] for i in sorted(parts.tool_calls)]
+                choice.update(message=message, logprobs={"content": parts.logprobs})
+            else:
+                choice.update(text="".join(parts.text),
+                              logprobs={"tokens": parts.tokens, "token_logprobs": parts.logprobs},
+                              prompt_token_ids=self.prompt_token_ids)  # where a whole text completion has them
+            choices.append(choice)
         body: dict[str, Any] = {
             **self.meta,
             "object": "chat.completion" if self.kind == "chat" else "text_completion",
-            "choices": [choice],
+            "choices": choices,
             "usage": self.usage,
             "model_version": self.version,
         }
-        # Where a non-streaming response of this kind carries them (see the module docstring).
-        if self.kind == "chat":
+        if self.kind == "chat":  # where a whole chat completion has them (see the module docstring)
             body["prompt_token_ids"] = self.prompt_token_ids
-        else:
-            choice["prompt_token_ids"] = self.prompt_token_ids
-        return body, extract_served(body, self.headers, self.kind)
+        return body, extract_served(body, self.headers, self.kind, self.n)
+
+
+def _tool_call(merged_calls: dict[int, dict[str, Any]], call: Any) -> None:
+    """Fold one streamed tool-call delta into the calls merged so far (by the call's ``index``)."""
+    if not isinstance(call, dict):
+        raise CaptureError("upstream tool call delta is not an object")
+    merged = merged_calls.setdefault(int(call.get("index", len(merged_calls))), {"function": {}})
+    for key in ("id", "type"):
+        if call.get(key) is not None:
+            merged[key] = call[key]
+    function = call.get("function") or {}
+    if function.get("name"):
+        merged["function"]["name"] = function["name"]
+    if function.get("arguments") is not None:
+        merged["function"]["arguments"] = merged["function"].get("arguments", "") + function["arguments"]
 
 
 def feedback_problem(item: FeedbackItem) -> str | None:

@@ -7,13 +7,16 @@ route authenticates and rate-limits, then calls it with the caller. It also owns
 the one way events reach the capture (feedback is handed it too).
 
 Invariants:
-- A response that carries a generation is released only after its event is accepted by the capture
+- A request for ``n`` choices (at most ``gateway.max_n``) is ``n`` generations, one event each, the
+  request's choices one group (``serving.gateway.capture``); the client learns their ids from the
+  ``X-Flywheel-Generation`` header (comma-separated, in index order) and may send feedback on any.
+- A response that carries generations is released only after their events are accepted by the capture
   spool (written, fsynced or acknowledged by the bus, per ``gateway.capture_ack``): a gateway killed
   right after answering still ships it at its next start. When the spool is full the configured
   policy applies (``drop``: serve and count the lost event; ``reject``: 503 before the upstream is
   called).
 - A stream (``stream: true``, chat or text) is proxied chunk by chunk as the upstream sends it and
-  recorded as exactly one event, once the upstream's last chunk has arrived and before the client
+  recorded (one event per choice) once the upstream's last chunk has arrived and before the client
   gets ``data: [DONE]``; ``[DONE]`` is the acknowledgement. A stream that breaks off ends with an
   OpenAI error envelope as its last event, no ``[DONE]``, and nothing recorded.
 - Sessions are scoped by tenant: the same session id sent by two tenants names two sessions. A
@@ -68,6 +71,7 @@ from serving.gateway.state import GatewayState, StateUnavailable
 from serving.gateway.upstream import Pool, UpstreamError
 from serving.gateway.upstream import Response as UpstreamResponse
 from serving.protocol import (
+    GENERATION_GROUP_HEADER,
     GENERATION_HEADER,
     MODEL_VERSION_HEADER,
     NODE_HEADER,
@@ -114,6 +118,20 @@ class Call:
         return self.principal.tenant
 
     @property
+    def generation_ids(self) -> list[str]:
+        """The generation id of each choice, in index order (``capture.generation_ids``)."""
+        return capture.generation_ids(self.generation_id, self.request.choices)
+
+    def served_headers(self, version: int) -> dict[str, str]:
+        """The headers of a served answer: the session, the choices' generation ids (comma-separated,
+        in index order), their group's id when there are several, and the version that sampled them."""
+        headers = {**self.headers, GENERATION_HEADER: ", ".join(self.generation_ids),
+                   MODEL_VERSION_HEADER: str(version)}
+        if self.request.choices > 1:
+            headers[GENERATION_GROUP_HEADER] = self.generation_id
+        return headers
+
+    @property
     def path(self) -> str:
         return PATHS[self.kind]
 
@@ -152,7 +170,8 @@ class CompletionServing:
                            code="capture_unavailable") from None
         body = await read_json_body(request, self.settings.gateway.max_body_bytes,
                                     self.settings.gateway.body_read_timeout_s)
-        parsed = parse_chat_request(body) if kind == "chat" else parse_completion_request(body)
+        parse = parse_chat_request if kind == "chat" else parse_completion_request
+        parsed = parse(body, max_n=self.settings.gateway.max_n)
         self.check_model(parsed.model)
         session_id = check_session_id(request.headers.get(SESSION_HEADER) or uuid.uuid4().hex)
         version = await self.pin(principal.tenant, session_id)
@@ -279,35 +298,38 @@ class CompletionServing:
                 raise ValueError("not a JSON object")
             response_body = as_line(response_body, call.target, self.settings.model.line)
             served = capture.extract_served(response_body, self.served_headers(response.headers, call.target),
-                                            call.kind)
+                                            call.kind, call.request.choices)
         except (ValueError, capture.CaptureError) as exc:
             raise bad_upstream_response(exc, call.headers) from None
         await self.record_generation(call, response_body, served, upstream_s)
-        headers = {**call.headers, GENERATION_HEADER: call.generation_id, MODEL_VERSION_HEADER: str(served.model_version)}
         out = Response(orjson.dumps(capture.client_response(response_body, call.request)),
-                       media_type="application/json", headers=headers)
+                       media_type="application/json", headers=call.served_headers(served[0].model_version))
         self.metrics.added.labels(call.kind).observe(max(0.0, time.perf_counter() - call.started - upstream_s))
         return out
 
-    async def record_generation(self, call: Call, response_body: dict[str, Any], served: capture.Served,
+    async def record_generation(self, call: Call, response_body: dict[str, Any], served: list[capture.Served],
                                 upstream_s: float) -> None:
+        """Hand the call's events (one per choice, all or none) to the capture, after recording
+        which tenant and session own each generation id."""
         try:
-            event = capture.generation_event(
-                generation_id=call.generation_id, tenant=call.tenant, session_id=call.session_id,
+            events = capture.generation_events(
+                request_id=call.generation_id, tenant=call.tenant, session_id=call.session_id,
                 model_line=self.settings.model.line, request_body=call.body, response_body=response_body,
                 served=served, latency_ms=upstream_s * 1000.0, sampling_defaults=dict(call.target.sampling_defaults),
             )
         except ValidationError as exc:  # e.g. non-finite logprobs: never a partial or lossy event
             raise bad_upstream_response(exc, call.headers) from None
-        version = str(served.model_version)
+        model_version = served[0].model_version
+        version = str(model_version)
         self.metrics.upstream.labels(version).observe(upstream_s)
         if call.version is None:  # nothing to follow yet: the session stays on what served it
-            await self.state.pin_session(call.tenant, call.session_id, served.model_version,
+            await self.state.pin_session(call.tenant, call.session_id, model_version,
                                          self.settings.gateway.session_ttl_s)
-        await self.state.record_generation(call.generation_id, call.tenant, call.session_id,
-                                           self.settings.gateway.ownership_ttl_s)
-        if await self.submit([event], call.headers):
-            self.metrics.generations.labels(version).inc()
+        for event in events:
+            await self.state.record_generation(event.generation_id, call.tenant, call.session_id,
+                                               self.settings.gateway.ownership_ttl_s)
+        if await self.submit(events, call.headers):
+            self.metrics.generations.labels(version).inc(len(events))
 
     async def submit(self, events: list[Any], headers: dict[str, str]) -> bool:
         """True once the spool accepted ``events``; False if the drop policy dropped them (counted
@@ -326,7 +348,8 @@ class CompletionServing:
         """Proxy an upstream event stream; see the module docstring for what is recorded when."""
         upstream_start = time.perf_counter()
         upstream = await self.post(call)
-        assembler = capture.StreamAssembler(call.kind, self.served_headers(upstream.headers, call.target))
+        assembler = capture.StreamAssembler(call.kind, self.served_headers(upstream.headers, call.target),
+                                            call.request.choices)
 
         def relay(data: str) -> bytes | None:
             """Fold one upstream event into the capture; what the client gets of it."""
@@ -397,10 +420,6 @@ class CompletionServing:
             finally:
                 upstream.release()
 
-        headers = {
-            **call.headers,
-            GENERATION_HEADER: call.generation_id,
-            MODEL_VERSION_HEADER: str(assembler.version),
-            "Cache-Control": "no-cache",
-        }
+        assert assembler.version is not None
+        headers = {**call.served_headers(assembler.version), "Cache-Control": "no-cache"}
         return StreamingResponse(body(), media_type="text/event-stream", headers=headers)

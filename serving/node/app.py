@@ -2,26 +2,29 @@
 
 ``create_app(engine, updater=None, settings)``.
 
-Response contract (OpenAI plus vLLM-style extras):
-- ``/v1/chat/completions``: ``choices[0].message.content`` and ``finish_reason`` ("stop" |
-  "length"); ``choices[0].logprobs.content[j] = {token, logprob, bytes, top_logprobs: []}`` when
-  ``logprobs``; ``choices[0].token_ids`` and top-level ``prompt_token_ids`` when ``return_token_ids``.
+Response contract (OpenAI plus vLLM-style extras), with ``n`` choices (``index`` 0..n-1, at most
+``node.max_n``, independent samples by one version; usage counts the prompt once):
+- ``/v1/chat/completions``: ``choices[i].message.content`` and ``finish_reason`` ("stop" |
+  "length"); ``choices[i].logprobs.content[j] = {token, logprob, bytes, top_logprobs: []}`` when
+  ``logprobs``; ``choices[i].token_ids`` and top-level ``prompt_token_ids`` when ``return_token_ids``.
 - ``/v1/completions`` (one prompt, text or token ids; text is tokenised with the model's
-  tokenizer, special tokens added as vLLM does): ``choices[0].text``; ``choices[0].logprobs =
+  tokenizer, special tokens added as vLLM does): ``choices[i].text``; ``choices[i].logprobs =
   {tokens, token_logprobs, top_logprobs: null, text_offset}`` when ``logprobs`` is 0;
-  ``choices[0].token_ids`` and ``choices[0].prompt_token_ids`` when ``return_token_ids``.
+  ``choices[i].token_ids`` and ``choices[i].prompt_token_ids`` when ``return_token_ids``.
 - ``model_version`` always (every streamed chunk too), and the headers ``X-Flywheel-Model-Version``
   and ``X-Flywheel-Node``.
 - Versions (sticky sessions): the node holds its last ``node.keep_versions`` versions. A request
   with the header ``X-Flywheel-Model-Version: N`` is served by version N, or answered 409
   ``version_unavailable`` naming the versions held; without it, by the live version.
   ``/health`` and ``/v1/models`` list the versions held.
-- ``stream: true``: Server-Sent Events (:mod:`serving.protocol`). Chat: a first chunk with
-  ``delta.role`` (and top-level ``prompt_token_ids``), one chunk per token with its text delta and,
-  as asked, its logprob entry and ``token_ids: [id]``, a last chunk with an empty delta and
-  ``finish_reason``; text: one chunk per token (the first with ``prompt_token_ids`` on the choice),
-  then one with ``finish_reason``. With ``stream_options.include_usage`` every chunk has
-  ``usage: null`` and a final chunk with ``choices: []`` carries the usage. Then ``data: [DONE]``.
+- ``stream: true``: Server-Sent Events (:mod:`serving.protocol`), each chunk one choice. Chat: a
+  first chunk per choice with ``delta.role`` (and top-level ``prompt_token_ids``), as vLLM sends
+  them, then for each choice one chunk per token with its text delta and, as asked, its logprob
+  entry and ``token_ids: [id]``, and a last chunk with an empty delta and ``finish_reason``; text:
+  for each choice one chunk per token (its first with ``prompt_token_ids`` on the choice), then one
+  with ``finish_reason``. The choices' chunks interleave, one per choice per token step. With
+  ``stream_options.include_usage`` every chunk has ``usage: null`` and a final chunk with
+  ``choices: []`` carries the usage. Then ``data: [DONE]``.
   The engine is batch-based: a stream is the finished completion replayed token by token, so its
   first byte comes when generation ends (true token streaming needs an incremental engine).
   Text deltas are cut so that they concatenate to exactly the non-streaming text (a token that
@@ -29,7 +32,7 @@ Response contract (OpenAI plus vLLM-style extras):
 
 Invariants: the version reported is the one whose weights sampled the tokens (taken from the
 engine's completion, not read separately), and the one the request named, if it named one;
-unsupported options (``n > 1``, ``top_logprobs > 0``, legacy ``logprobs > 0``, ``echo``,
+unsupported options (``n`` above ``node.max_n``, ``top_logprobs > 0``, legacy ``logprobs > 0``, ``echo``,
 ``suffix``, and any knob that would reshape the distribution beyond what ``flywheel.sampling``
 computes: structured output, banned or required tokens, ``min_tokens``...) are a 400, never
 silently ignored; the knobs it does honour (temperature, top-p, top-k, min-p, the repetition,
@@ -52,6 +55,7 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import itertools
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -117,12 +121,11 @@ def text_deltas(decode: Callable[[list[int]], str], token_ids: list[int]) -> lis
     return pieces
 
 
-def _usage(prompt_ids: list[int], completion: Completion) -> dict[str, int]:
-    return {
-        "prompt_tokens": len(prompt_ids),
-        "completion_tokens": len(completion.token_ids),
-        "total_tokens": len(prompt_ids) + len(completion.token_ids),
-    }
+def _usage(prompt_ids: list[int], choices: list[Completion]) -> dict[str, int]:
+    """Usage as vLLM counts it for ``n`` choices: the prompt once, every choice's tokens."""
+    completion = sum(len(c.token_ids) for c in choices)
+    return {"prompt_tokens": len(prompt_ids), "completion_tokens": completion,
+            "total_tokens": len(prompt_ids) + completion}
 
 
 def _chat_logprob(engine: Engine, token_id: int, logprob: float) -> dict[str, Any]:
@@ -140,55 +143,63 @@ def _text_logprobs(engine: Engine, token_ids: list[int], logprobs: list[float], 
 
 
 def completion_body(
-    engine: Engine, chat: ChatCompletionRequest, model_name: str, prompt_ids: list[int], completion: Completion
+    engine: Engine, chat: ChatCompletionRequest, model_name: str, prompt_ids: list[int], choices: list[Completion]
 ) -> dict[str, Any]:
-    choice: dict[str, Any] = {
-        "index": 0,
-        "message": {"role": "assistant", "content": engine.text(completion.token_ids)},
-        "finish_reason": completion.finish_reason,
-        "logprobs": None,
-    }
-    if chat.logprobs:
-        content = [_chat_logprob(engine, t, lp) for t, lp in zip(completion.token_ids, completion.logprobs, strict=True)]
-        choice["logprobs"] = {"content": content}
+    out = []
+    for index, completion in enumerate(choices):
+        choice: dict[str, Any] = {
+            "index": index,
+            "message": {"role": "assistant", "content": engine.text(completion.token_ids)},
+            "finish_reason": completion.finish_reason,
+            "logprobs": None,
+        }
+        if chat.logprobs:
+            content = [_chat_logprob(engine, t, lp)
+                       for t, lp in zip(completion.token_ids, completion.logprobs, strict=True)]
+            choice["logprobs"] = {"content": content}
+        if chat.return_token_ids:
+            choice["token_ids"] = list(completion.token_ids)
+        out.append(choice)
     body: dict[str, Any] = {
         "id": f"chatcmpl-{uuid.uuid4().hex}",
         "object": "chat.completion",
         "created": int(time.time()),
         "model": model_name,
-        "choices": [choice],
-        "usage": _usage(prompt_ids, completion),
-        "model_version": completion.version,
+        "choices": out,
+        "usage": _usage(prompt_ids, choices),
+        "model_version": choices[0].version,
     }
     if chat.return_token_ids:
-        choice["token_ids"] = list(completion.token_ids)
         body["prompt_token_ids"] = list(prompt_ids)
     return body
 
 
 def text_completion_body(
-    engine: Engine, req: CompletionRequest, model_name: str, prompt_ids: list[int], completion: Completion
+    engine: Engine, req: CompletionRequest, model_name: str, prompt_ids: list[int], choices: list[Completion]
 ) -> dict[str, Any]:
-    pieces = text_deltas(engine.text, completion.token_ids)
-    choice: dict[str, Any] = {
-        "index": 0,
-        "text": "".join(pieces),
-        "logprobs": None,
-        "finish_reason": completion.finish_reason,
-    }
-    if req.logprobs is not None:
-        choice["logprobs"] = _text_logprobs(engine, completion.token_ids, completion.logprobs, _offsets(pieces))
-    if req.return_token_ids:
-        choice["token_ids"] = list(completion.token_ids)
-        choice["prompt_token_ids"] = list(prompt_ids)
+    out = []
+    for index, completion in enumerate(choices):
+        pieces = text_deltas(engine.text, completion.token_ids)
+        choice: dict[str, Any] = {
+            "index": index,
+            "text": "".join(pieces),
+            "logprobs": None,
+            "finish_reason": completion.finish_reason,
+        }
+        if req.logprobs is not None:
+            choice["logprobs"] = _text_logprobs(engine, completion.token_ids, completion.logprobs, _offsets(pieces))
+        if req.return_token_ids:
+            choice["token_ids"] = list(completion.token_ids)
+            choice["prompt_token_ids"] = list(prompt_ids)
+        out.append(choice)
     return {
         "id": f"cmpl-{uuid.uuid4().hex}",
         "object": "text_completion",
         "created": int(time.time()),
         "model": model_name,
-        "choices": [choice],
-        "usage": _usage(prompt_ids, completion),
-        "model_version": completion.version,
+        "choices": out,
+        "usage": _usage(prompt_ids, choices),
+        "model_version": choices[0].version,
     }
 
 
@@ -200,8 +211,15 @@ def _offsets(pieces: list[str]) -> list[int]:
     return out
 
 
+def _interleaved(per_choice: list[list[dict[str, Any]]]) -> Iterator[dict[str, Any]]:
+    """Each choice's chunks, the choices' k-th chunks one after another: the order an engine that
+    decodes the ``n`` choices side by side sends them in (vLLM: one chunk per choice per step)."""
+    for step in itertools.zip_longest(*per_choice):
+        yield from (c for c in step if c is not None)
+
+
 def chat_chunks(
-    engine: Engine, chat: ChatCompletionRequest, model_name: str, prompt_ids: list[int], completion: Completion
+    engine: Engine, chat: ChatCompletionRequest, model_name: str, prompt_ids: list[int], choices: list[Completion]
 ) -> Iterator[dict[str, Any]]:
     """The chat completion as ``chat.completion.chunk`` objects (see the module docstring)."""
     chunk_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
@@ -210,32 +228,41 @@ def chat_chunks(
     def chunk(choice: dict[str, Any] | None, **extra: Any) -> dict[str, Any]:
         out: dict[str, Any] = {
             "id": chunk_id, "object": "chat.completion.chunk", "created": created, "model": model_name,
-            "choices": [choice] if choice is not None else [], "model_version": completion.version,
+            "choices": [choice] if choice is not None else [], "model_version": choices[0].version,
         }
         if usage:
             out["usage"] = None
         out.update(extra)
         return out
 
-    first = chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None})
-    if chat.return_token_ids:
-        first["prompt_token_ids"] = list(prompt_ids)
-    yield first
-    pieces = text_deltas(engine.text, completion.token_ids)
-    for token_id, logprob, piece in zip(completion.token_ids, completion.logprobs, pieces, strict=True):
-        choice: dict[str, Any] = {"index": 0, "delta": {"content": piece}, "logprobs": None, "finish_reason": None}
-        if chat.logprobs:
-            choice["logprobs"] = {"content": [_chat_logprob(engine, token_id, logprob)]}
+    for index in range(len(choices)):  # vLLM: a role chunk per choice, each with the prompt's ids
+        first = chunk({"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                       "finish_reason": None})
         if chat.return_token_ids:
-            choice["token_ids"] = [token_id]
-        yield chunk(choice)
-    yield chunk({"index": 0, "delta": {}, "logprobs": None, "finish_reason": completion.finish_reason})
+            first["prompt_token_ids"] = list(prompt_ids)
+        yield first
+
+    def tokens(index: int, completion: Completion) -> list[dict[str, Any]]:
+        out = []
+        pieces = text_deltas(engine.text, completion.token_ids)
+        for token_id, logprob, piece in zip(completion.token_ids, completion.logprobs, pieces, strict=True):
+            choice: dict[str, Any] = {"index": index, "delta": {"content": piece}, "logprobs": None,
+                                      "finish_reason": None}
+            if chat.logprobs:
+                choice["logprobs"] = {"content": [_chat_logprob(engine, token_id, logprob)]}
+            if chat.return_token_ids:
+                choice["token_ids"] = [token_id]
+            out.append(chunk(choice))
+        out.append(chunk({"index": index, "delta": {}, "logprobs": None, "finish_reason": completion.finish_reason}))
+        return out
+
+    yield from _interleaved([tokens(i, c) for i, c in enumerate(choices)])
     if usage:
-        yield chunk(None, usage=_usage(prompt_ids, completion))
+        yield chunk(None, usage=_usage(prompt_ids, choices))
 
 
 def text_completion_chunks(
-    engine: Engine, req: CompletionRequest, model_name: str, prompt_ids: list[int], completion: Completion
+    engine: Engine, req: CompletionRequest, model_name: str, prompt_ids: list[int], choices: list[Completion]
 ) -> Iterator[dict[str, Any]]:
     """The text completion as streamed ``text_completion`` objects (see the module docstring)."""
     chunk_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
@@ -244,27 +271,33 @@ def text_completion_chunks(
     def chunk(choice: dict[str, Any] | None, **extra: Any) -> dict[str, Any]:
         out: dict[str, Any] = {
             "id": chunk_id, "object": "text_completion", "created": created, "model": model_name,
-            "choices": [choice] if choice is not None else [], "model_version": completion.version,
+            "choices": [choice] if choice is not None else [], "model_version": choices[0].version,
         }
         if usage:
             out["usage"] = None
         out.update(extra)
         return out
 
-    pieces = text_deltas(engine.text, completion.token_ids)
-    offsets = _offsets(pieces)
-    for i, (token_id, logprob, piece) in enumerate(zip(completion.token_ids, completion.logprobs, pieces, strict=True)):
-        choice: dict[str, Any] = {"index": 0, "text": piece, "logprobs": None, "finish_reason": None}
-        if req.logprobs is not None:
-            choice["logprobs"] = _text_logprobs(engine, [token_id], [logprob], [offsets[i]])
-        if req.return_token_ids:
-            choice["token_ids"] = [token_id]
-            if i == 0:
-                choice["prompt_token_ids"] = list(prompt_ids)
-        yield chunk(choice)
-    yield chunk({"index": 0, "text": "", "logprobs": None, "finish_reason": completion.finish_reason})
+    def tokens(index: int, completion: Completion) -> list[dict[str, Any]]:
+        out = []
+        pieces = text_deltas(engine.text, completion.token_ids)
+        offsets = _offsets(pieces)
+        for i, (token_id, logprob, piece) in enumerate(zip(completion.token_ids, completion.logprobs, pieces,
+                                                           strict=True)):
+            choice: dict[str, Any] = {"index": index, "text": piece, "logprobs": None, "finish_reason": None}
+            if req.logprobs is not None:
+                choice["logprobs"] = _text_logprobs(engine, [token_id], [logprob], [offsets[i]])
+            if req.return_token_ids:
+                choice["token_ids"] = [token_id]
+                if i == 0:
+                    choice["prompt_token_ids"] = list(prompt_ids)
+            out.append(chunk(choice))
+        out.append(chunk({"index": index, "text": "", "logprobs": None, "finish_reason": completion.finish_reason}))
+        return out
+
+    yield from _interleaved([tokens(i, c) for i, c in enumerate(choices)])
     if usage:
-        yield chunk(None, usage=_usage(prompt_ids, completion))
+        yield chunk(None, usage=_usage(prompt_ids, choices))
 
 
 def stream_response(chunks: Iterator[dict[str, Any]], headers: dict[str, str]) -> StreamingResponse:
@@ -328,7 +361,8 @@ def create_app(engine: Engine, updater: Any = None, settings: Settings | None = 
     async def generate(
         request: Request, req: ChatCompletionRequest | CompletionRequest, body: dict[str, Any], prompt_ids: list[int],
         prompt_param: str,
-    ) -> Completion:
+    ) -> list[Completion]:
+        """The request's ``n`` choices, sampled by one version."""
         processing, default_max = processing_for(body)
         if not prompt_ids:
             raise APIError(400, f"the {prompt_param} encode to an empty prompt", param=prompt_param)
@@ -347,9 +381,10 @@ def create_app(engine: Engine, updater: Any = None, settings: Settings | None = 
             processing=processing,
             seed=req.seed,
             version=requested_version(request),
+            n=req.choices,
         )
         try:
-            completion = await asyncio.wrap_future(engine.submit(gen))
+            choices = await asyncio.wrap_future(engine.submit(gen))
         except EngineNotReady as exc:
             raise APIError(503, str(exc), code="not_ready") from None
         except VersionUnavailable as exc:
@@ -357,12 +392,12 @@ def create_app(engine: Engine, updater: Any = None, settings: Settings | None = 
                            param=MODEL_VERSION_HEADER, code="version_unavailable") from None
         if settings.node.simulated_latency_s:
             await asyncio.sleep(settings.node.simulated_latency_s)
-        return completion
+        return choices
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         body = await read_json_body(request, max_body_bytes, body_timeout_s)
-        chat = parse_chat_request(body)
+        chat = parse_chat_request(body, max_n=settings.node.max_n)
         check_model(chat.model)
         if chat.top_logprobs:
             raise APIError(400, "top_logprobs > 0 is not supported yet; use 0 or omit it", param="top_logprobs")
@@ -370,16 +405,16 @@ def create_app(engine: Engine, updater: Any = None, settings: Settings | None = 
             prompt_ids = engine.prompt_ids(chat.plain_messages())
         except TemplateError as exc:
             raise APIError(400, f"the model's chat template rejects these messages: {exc}", param="messages") from None
-        completion = await generate(request, chat, body, prompt_ids, "messages")
-        headers = {MODEL_VERSION_HEADER: str(completion.version), NODE_HEADER: node_id}
+        choices = await generate(request, chat, body, prompt_ids, "messages")
+        headers = {MODEL_VERSION_HEADER: str(choices[0].version), NODE_HEADER: node_id}
         if chat.stream:
-            return stream_response(chat_chunks(engine, chat, model_name, prompt_ids, completion), headers)
-        return JSONResponse(completion_body(engine, chat, model_name, prompt_ids, completion), headers=headers)
+            return stream_response(chat_chunks(engine, chat, model_name, prompt_ids, choices), headers)
+        return JSONResponse(completion_body(engine, chat, model_name, prompt_ids, choices), headers=headers)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         body = await read_json_body(request, max_body_bytes, body_timeout_s)
-        req = parse_completion_request(body)
+        req = parse_completion_request(body, max_n=settings.node.max_n)
         check_model(req.model)
         if req.logprobs:
             raise APIError(400, "logprobs > 0 (alternatives per token) is not supported yet; use 0 or omit it",
@@ -392,11 +427,11 @@ def create_app(engine: Engine, updater: Any = None, settings: Settings | None = 
             if bad is not None:
                 raise APIError(400, f"prompt token id {bad} is outside the vocabulary (0..{vocab - 1})", param="prompt")
             prompt_ids = list(req.prompt)  # type: ignore[arg-type]
-        completion = await generate(request, req, body, prompt_ids, "prompt")
-        headers = {MODEL_VERSION_HEADER: str(completion.version), NODE_HEADER: node_id}
+        choices = await generate(request, req, body, prompt_ids, "prompt")
+        headers = {MODEL_VERSION_HEADER: str(choices[0].version), NODE_HEADER: node_id}
         if req.stream:
-            return stream_response(text_completion_chunks(engine, req, model_name, prompt_ids, completion), headers)
-        return JSONResponse(text_completion_body(engine, req, model_name, prompt_ids, completion), headers=headers)
+            return stream_response(text_completion_chunks(engine, req, model_name, prompt_ids, choices), headers)
+        return JSONResponse(text_completion_body(engine, req, model_name, prompt_ids, choices), headers=headers)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

@@ -12,7 +12,9 @@ names a version the engine does not hold fails with :class:`VersionUnavailable`,
 it holds. Concurrent requests queue up; the worker takes what is waiting (up to ``max_batch``,
 waiting at most ``batch_window_s`` for company) and runs one batched ``generate`` per group of
 requests that share version and sampling processing (``flywheel.sampling``). Seeded requests run alone, so a seed
-reproduces the same completion whatever else is in flight.
+reproduces the same completion whatever else is in flight. A request for ``n`` choices puts ``n``
+rows of its prompt in its batch, so its choices are independent samples of one distribution drawn
+by one version.
 
 Invariants:
 - A batch runs on exactly one version: requests of different versions never share a
@@ -33,6 +35,7 @@ Invariants:
 from __future__ import annotations
 
 import copy
+import itertools
 import logging
 import queue
 import threading
@@ -75,6 +78,8 @@ class GenerationRequest:
     seed: int | None = None
     #: The model version to sample from; None: the live one.
     version: int | None = None
+    #: Choices to sample (independent samples of the same prompt, by the same version).
+    n: int = 1
 
 
 @dataclass(frozen=True)
@@ -181,7 +186,8 @@ class Engine:
             self.version = version
 
     def submit(self, request: GenerationRequest) -> Future:
-        """Queue one generation; the future resolves to a :class:`Completion`.
+        """Queue one generation; the future resolves to its ``request.n`` choices, a list of
+        :class:`Completion` in choice order, all from one version.
 
         Raises :class:`VersionUnavailable` at once when ``request.version`` is not held (the
         future fails with it instead if the version is evicted before its batch runs).
@@ -197,7 +203,7 @@ class Engine:
         self._queue.put(_Pending(request, future))
         return future
 
-    def generate(self, request: GenerationRequest) -> Completion:
+    def generate(self, request: GenerationRequest) -> list[Completion]:
         return self.submit(request).result()
 
     def swap(self, version: int, state: dict[str, torch.Tensor], sha256: str, *, live: bool = True) -> None:
@@ -304,14 +310,14 @@ class Engine:
                 assert version is not None
                 samples = lm.generate(
                     slot.model,
-                    [p.request.prompt_ids for p in live],
+                    [p.request.prompt_ids for p in live for _ in range(p.request.n)],
                     max_new_tokens=max(p.request.max_new_tokens for p in live),
                     processing=first.processing,
                     seed=first.seed,
                     eos_token_id=self.eos_token_id,
                 )
                 self.batches += 1
-                self.requests += len(live)
+                self.requests += len(samples)
         except VersionUnavailable as exc:  # evicted while queued: the client is told what is held
             for p in live:
                 p.future.set_exception(exc)
@@ -321,10 +327,14 @@ class Engine:
             for p in live:
                 p.future.set_exception(exc)
             return
-        for p, sample in zip(live, samples, strict=True):
-            ids, lps = truncate(sample.token_ids, sample.logprobs, p.request.max_new_tokens)
-            finish = "stop" if ids and ids[-1] == self.eos_token_id else "length"
-            p.future.set_result(Completion(ids, lps, finish, version, slot.sha256))
+        rows = iter(samples)
+        for p in live:
+            choices = []
+            for sample in itertools.islice(rows, p.request.n):
+                ids, lps = truncate(sample.token_ids, sample.logprobs, p.request.max_new_tokens)
+                finish = "stop" if ids and ids[-1] == self.eos_token_id else "length"
+                choices.append(Completion(ids, lps, finish, version, slot.sha256))
+            p.future.set_result(choices)
 
 
 def group_requests(batch: list[_Pending], live: int | None = None) -> list[list[_Pending]]:

@@ -234,7 +234,8 @@ class VllmFront:
 
     async def complete(self, request: Request, path: str) -> Response:
         body = await read_json_body(request, self.settings.node.max_body_bytes)
-        parsed = parse_chat_request(body) if path.endswith("chat/completions") else parse_completion_request(body)
+        parse = parse_chat_request if path.endswith("chat/completions") else parse_completion_request
+        parsed = parse(body, max_n=self.settings.node.max_n)
         if parsed.model is not None and parsed.model != self.line:
             raise APIError(404, f"the model `{parsed.model}` does not exist; this node serves `{self.line}`",
                            param="model", code="model_not_found")

@@ -64,7 +64,7 @@ def test_served_logprobs_equal_the_trainers_recomputation(engine_and_policy, tem
                for text in ("add 12 and 7", "what is 3 plus 5", "sum 40 and 2", "add 9 and 9")]
     futures = [engine.submit(GenerationRequest(p, 12, processing=processing, seed=None)) for p in prompts]
     samples = [ScoredTrajectory(tenant="t", session_id=f"s{i}", trajectory_id=f"tr{i}", model_line="tiny",
-                                segments=build_segments([_event(p, f.result(), sampling, i)]), turn_rewards=[1.0],
+                                segments=build_segments([_event(p, f.result()[0], sampling, i)]), turn_rewards=[1.0],
                                 total_reward=1.0, reward_spec_version="v")
                for i, (p, f) in enumerate(zip(prompts, futures, strict=True))]
     batch = collate(samples, [0.0] * len(samples))
@@ -72,7 +72,7 @@ def test_served_logprobs_equal_the_trainers_recomputation(engine_and_policy, tem
     with torch.no_grad():
         recomputed = token_logprobs(model, batch.tokens, batch.attention, batch.processed)
     on = batch.mask > 0
-    assert int(on.sum()) == sum(len(f.result().token_ids) for f in futures)  # every completion token trainable
+    assert int(on.sum()) == sum(len(f.result()[0].token_ids) for f in futures)  # every completion token trainable
     gap = (recomputed - batch.logp_behaviour)[on].abs().max().item()
     assert gap < 1e-5, f"served and recomputed logprobs differ by {gap:.2e}"
 
@@ -82,8 +82,8 @@ def test_greedy_and_unsupported_turns_are_masked_and_counted(engine_and_policy) 
 
     engine, _, tokenizer = engine_and_policy
     prompt = lm.chat_prompt_ids(tokenizer, [{"role": "user", "content": "add 1 and 2"}])
-    greedy = engine.submit(GenerationRequest(prompt, 6, processing=Processing(temperature=0.0))).result()
-    plain = engine.submit(GenerationRequest(prompt, 6)).result()
+    (greedy,) = engine.submit(GenerationRequest(prompt, 6, processing=Processing(temperature=0.0))).result()
+    (plain,) = engine.submit(GenerationRequest(prompt, 6)).result()
     events = [_event(prompt, greedy, SamplingParams(temperature=0.0), 0),
               _event(prompt, plain, SamplingParams(unsupported=["response_format"]), 1)]
     sample = ScoredTrajectory(tenant="t", session_id="s", trajectory_id="tr", model_line="tiny",
@@ -118,3 +118,32 @@ def test_the_node_honours_every_knob_and_refuses_what_it_cannot_sample_exactly(e
                          ("logit_bias", {str(len(tokenizer) + 5): 1})]:
         r = client.post("/v1/chat/completions", json={**chat, field: value})
         assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+
+
+def test_the_n_choices_of_one_request_are_each_exact_and_trainable(engine_and_policy) -> None:
+    """``n = 4`` at temperature 0.7, top-k 20, repetition penalty 1.1 (end of text biased away, so the
+    choices are long enough to differ): four samples of one prompt from one version, each assembled
+    as its own turn of one group, each recomputed to 1e-5."""
+    from serving.node.engine import GenerationRequest
+
+    engine, model, tokenizer = engine_and_policy
+    sampling = SamplingParams(temperature=0.7, top_k=20, repetition_penalty=1.1, n=4,
+                              logit_bias={str(tokenizer.eos_token_id): -100.0})
+    prompt = lm.chat_prompt_ids(tokenizer, [{"role": "user", "content": "add 12 and 7"}])
+    choices = engine.submit(GenerationRequest(prompt, 12, processing=Processing.of(sampling), n=4)).result()
+    assert len(choices) == 4 and len({c.version for c in choices}) == 1
+    assert len({tuple(c.token_ids) for c in choices}) > 1  # independent samples, not one copied
+    events = [_event(prompt, c, sampling, 0).model_copy(update={"generation_id": f"g-{i}", "group_id": "g",
+                                                                 "choice_index": i})
+              for i, c in enumerate(choices)]
+    segments = build_segments(events)
+    assert [(t.group_id, t.choice_index) for s in segments for t in s.turns] == [("g", i) for i in range(4)]
+    sample = ScoredTrajectory(tenant="t", session_id="s", trajectory_id="tr", model_line="tiny", segments=segments,
+                              turn_rewards=[1.0] * 4, total_reward=4.0, reward_spec_version="v")
+    batch = collate([sample], [0.0])
+    with torch.no_grad():
+        recomputed = token_logprobs(model, batch.tokens, batch.attention, batch.processed)
+    on = batch.mask > 0
+    assert int(on.sum()) == sum(len(c.token_ids) for c in choices)
+    gap = (recomputed - batch.logp_behaviour)[on].abs().max().item()
+    assert gap < 1e-5, f"served and recomputed logprobs differ by {gap:.2e}"

@@ -239,8 +239,8 @@ def test_node_rejects_unsupported_options_through_the_gateway(stack):
         assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs"
         r = stack.chat(client, model="gpt-4o")
         assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
-        r = client.post(f"{stack.node}/v1/chat/completions", json={"messages": MESSAGES, "n": 2})
-        assert r.status_code == 400 and r.json()["error"]["param"] == "n"
+        r = client.post(f"{stack.node}/v1/chat/completions", json={"messages": MESSAGES, "n": 9})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "n"  # above node.max_n
         r = stack.chat(client, messages=[{"role": "system", "content": "be brief"}, *MESSAGES])
         assert r.status_code == 400 and "only user and assistant" in r.json()["error"]["message"]
         r = stack.chat(client, max_tokens=100_000)
@@ -351,7 +351,7 @@ def test_a_batch_never_mixes_versions_and_eviction_spares_the_live_one(tmp_path,
         prompt = engine.prompt_ids(MESSAGES)
         wanted = [0, 1, None] * 8
         futures = [engine.submit(GenerationRequest(prompt, 6, version=v)) for v in wanted]
-        completions = [f.result(timeout=60) for f in futures]
+        completions = [c for f in futures for c in f.result(timeout=60)]
         assert engine.batches == 2 and engine.requests == len(wanted)  # one generate call per version
         states = {0: state0, 1: state1}
         for asked, completion in zip(wanted, completions, strict=True):

@@ -328,6 +328,20 @@ def test_on_033_each_answer_is_checked_against_vllms_weight_labels(tmp_path: Pat
         assert r.status_code == 200 and r.json()["model_version"] == 1 and "weight_versions" not in r.json()["choices"][0]
 
 
+def test_n_choices_are_relayed_and_every_choice_is_checked_against_the_labels(tmp_path: Path) -> None:
+    with front(tmp_path, vllm_version="0.33") as f:
+        r = post(f.url, max_tokens=2, n=3, return_token_ids=True)
+        assert r.status_code == 200 and r.json()["model_version"] == 0
+        assert [c["index"] for c in r.json()["choices"]] == [0, 1, 2]
+        assert len({tuple(c["token_ids"]) for c in r.json()["choices"]}) == 3
+        r, events = stream(f.url, "/v1/completions", max_tokens=2, n=2)
+        assert events[-1] == "[DONE]" and [e["choices"][0]["index"] for e in events[:-1]] == [0, 1, 0, 1]
+        httpx.post(f"{f.standin.url}/update_weight_version", json={"new_version": "someone-else"})
+        r = post(f.url, max_tokens=2, n=2)
+        assert r.status_code == 502 and "choice 0" in r.json()["error"]["message"]
+        assert post(f.url, n=9).json()["error"]["param"] == "n"  # node.max_n, before vLLM is called
+
+
 def test_on_018_without_labels_the_front_carries_on(tmp_path: Path) -> None:
     with front(tmp_path, vllm_version="0.18") as f:
         assert f.adapter.weight_versions is False

@@ -501,6 +501,15 @@ def test_the_gateway_names_the_lora_version_to_vllm_and_the_client_sees_the_line
             r = chat(new, path="/v1/completions")
             assert (r.json()["model"], r.json()["model_version"]) == (LORA_LINE, 1) and sent() == f"{LORA_LINE}-v1"
             record(r)
+            # n = 2, streamed: vLLM interleaves the choices; each is captured as its own generation.
+            with http.stream("POST", f"{gateway}/v1/chat/completions", headers={"X-Flywheel-Session": new},
+                             json={"messages": MESSAGES, "max_tokens": 3, "stream": True, "n": 2}) as s:
+                assert s.status_code == 200
+                lines = [line.removeprefix("data: ") for line in s.iter_lines() if line.startswith("data: ")]
+                pair = [g.strip() for g in s.headers["X-Flywheel-Generation"].split(",")]
+            assert lines[-1] == "[DONE]" and len(pair) == 2 and sent() == f"{LORA_LINE}-v1"
+            assert {json.loads(line)["choices"][0]["index"] for line in lines[:-1]} == {0, 1}
+            served += [(new, 1, g) for g in pair]
 
             # vLLM loses v0 behind the node's back: its 404 moves the session on, as a node's 409 would.
             gone = http.post(f"{standin.url}/v1/unload_lora_adapter", json={"lora_name": f"{LORA_LINE}-v0"},
@@ -526,6 +535,7 @@ def test_the_gateway_names_the_lora_version_to_vllm_and_the_client_sees_the_line
             finally:
                 consumer.close()
                 bus.close()
+            assert [events[g].choice_index for g in pair] == [0, 1] and events[pair[0]].group_id is not None
             for session, version, generation in served:
                 event = events[generation]
                 assert (event.session_id, event.model_line, event.model_version, event.node_id) == (

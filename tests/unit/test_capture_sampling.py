@@ -41,8 +41,9 @@ def test_the_event_records_what_the_engine_applied() -> None:
     defaults = dict(node.sampling_defaults)
     body = {"messages": MESSAGES, "temperature": 0.9, "logit_bias": {"17": -5}, "response_format": {"type": "json_object"}}
     served = capture.Served(3, "n", [1, 2], [7, 8], [-0.1, -0.2], "stop")
-    event = capture.generation_event(generation_id="g", tenant="t", session_id="s", model_line="m", request_body=body,
-                                     response_body={}, served=served, latency_ms=1.0, sampling_defaults=defaults)
+    (event,) = capture.generation_events(request_id="g", tenant="t", session_id="s", model_line="m",
+                                         request_body=body, response_body={}, served=[served], latency_ms=1.0,
+                                         sampling_defaults=defaults)
     s = event.sampling
     assert (s.temperature, s.top_k, s.repetition_penalty, s.top_p, s.presence_penalty) == (0.9, 20, 1.05, 1.0, 0.0)
     assert s.logit_bias == {"17": -5.0} and s.unsupported == ["response_format"]

@@ -137,9 +137,12 @@ def test_rejected_requests_get_envelopes_and_leave_the_bus_untouched(client, bus
     for field, value in [("top_k", -2), ("top_k", 2.5), ("min_p", 1.5), ("repetition_penalty", 0.0),
                          ("presence_penalty", 2.5), ("frequency_penalty", -3), ("top_p", 0.0),
                          ("logit_bias", {"12": 150}), ("logit_bias", {"twelve": 1}), ("logit_bias", [1, 2]),
-                         ("n", 2), ("n", 0)]:
+                         ("n", 9), ("n", 0)]:
         err = _envelope(client.post(CHAT, json={"messages": GOOD_MESSAGES, field: value}), 400)
         assert err["param"] == field, (field, value, err)
+
+    err = _envelope(client.post(CHAT, json={"messages": GOOD_MESSAGES, "n": 9}), 400)
+    assert err["param"] == "n" and "at most 8" in err["message"]  # gateway.max_n
 
     err = _envelope(client.post(CHAT, json={"messages": GOOD_MESSAGES, "logprobs": "yes"}), 400)
     assert err["param"] == "logprobs"
