@@ -104,7 +104,10 @@ class Judge:
             log.warning("judge gave no grade for %s: %s", traj.trajectory_id, exc)
             ledger.turn("judge_failed", ledger.n - 1, 0.0)
             return ledger.output()
-        ledger.session("judge", ledger.n - 1, scale_score(score, params))
+        # A session outcome: split over the last step, as every session-level signal is
+        # (rewards.builders), so a grade never favours one of a final group's choices.
+        for i, part in ledger.last_parts():
+            ledger.session("judge", i, scale_score(score, params) * part)
         return ledger.output()
 
     def grade(self, messages: list[dict[str, Any]], params: JudgeParams) -> float:

@@ -247,3 +247,24 @@ def test_scorer_and_normaliser_end_to_end_with_a_final_group() -> None:
     assert len(out.turn_rewards) < spec.warmup
     sib = math.sqrt(2 / 3)
     assert adv == pytest.approx([0.5, 0.0, 1.5 / sib, -1.5 / sib])
+
+
+def test_the_judges_grade_is_split_over_a_final_group() -> None:
+    """The judge's grade is a session outcome: a third at each of the final three choices (so it
+    favours none of them), all of it at the last turn of a session without groups."""
+    import httpx
+
+    from rewards.judge import Judge
+    from rewards.spec import JudgeParams
+
+    def judge_endpoint(request: httpx.Request) -> httpx.Response:  # an OpenAI-compatible grader's answer
+        return httpx.Response(200, json={"choices": [{"message": {"role": "assistant", "content": "Score: 10"}}]})
+
+    params = JudgeParams()
+    judge = Judge(params, lambda traj: [{"role": "user", "content": "q"}],
+                  client=httpx.Client(transport=httpx.MockTransport(judge_endpoint)))
+    grouped = judge(session([]), params)
+    assert grouped.outcome == pytest.approx([0.0, 1 / 3, 1 / 3, 1 / 3]) and grouped.total == pytest.approx(1.0)
+    plain = assemble("acme", "s1", [gen("g0", [1], [2], at=0), gen("g1", [1, 2, 3], [4], at=1)], [],
+                     closed_reason="outcome")
+    assert judge(plain, params).outcome == [0.0, 1.0]
