@@ -29,20 +29,25 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def wait_for(what: str, check: Callable[[], Any], timeout_s: float, every_s: float = 0.2) -> Any:
-    """Poll ``check`` until it returns something truthy (exceptions count as not yet); returns it,
-    or raises TimeoutError naming ``what`` and the last answer."""
+def wait_for(what: str, check: Callable[[], Any], timeout_s: float, every_s: float = 0.2, *,
+             ignore: tuple[type[BaseException], ...] = (Exception,),
+             error: type[Exception] = TimeoutError) -> Any:
+    """Poll ``check`` until it returns something truthy; returns it, or raises ``error`` naming
+    ``what`` and the last answer. An exception of a type in ``ignore`` counts as not yet (by
+    default any: a service that is still starting); any other ends the wait (a test's failed
+    assertion, with ``ignore=()``)."""
     deadline = time.monotonic() + timeout_s
     last: Any = None
-    while time.monotonic() < deadline:
+    while True:
         try:
             last = check()
             if last:
                 return last
-        except Exception as exc:  # a service that is still starting
+        except ignore as exc:
             last = exc
+        if time.monotonic() >= deadline:
+            raise error(f"timed out after {timeout_s:g}s waiting for {what} (last: {last!r})")
         time.sleep(every_s)
-    raise TimeoutError(f"timed out after {timeout_s:g}s waiting for {what} (last: {last!r})")
 
 
 def tail(path: Path, n: int = 30) -> str:

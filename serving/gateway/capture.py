@@ -185,14 +185,12 @@ def generation_events(
     its own choice only (``usage`` stays the request's)."""
     ids = generation_ids(request_id, len(served))
     grouped = len(served) > 1
+    choices = {c.get("index", 0): c for c in response_body["choices"]} if grouped else {}
     sampling = sampling_params(request_body, sampling_defaults)
     ts = utcnow()
     events = []
     for one, generation_id in zip(served, ids, strict=True):
-        response = response_body
-        if grouped:
-            choice = next(c for c in response_body["choices"] if c.get("index", 0) == one.index)
-            response = {**response_body, "choices": [choice]}
+        response = {**response_body, "choices": [choices[one.index]]} if grouped else response_body
         events.append(GenerationEvent(
             ts=ts,
             tenant=tenant,

@@ -122,7 +122,7 @@ class Call:
         """The generation id of each choice, in index order (``capture.generation_ids``)."""
         return capture.generation_ids(self.generation_id, self.request.choices)
 
-    def served_headers(self, version: int) -> dict[str, str]:
+    def answer_headers(self, version: int) -> dict[str, str]:
         """The headers of a served answer: the session, the choices' generation ids (comma-separated,
         in index order), their group's id when there are several, and the version that sampled them."""
         headers = {**self.headers, GENERATION_HEADER: ", ".join(self.generation_ids),
@@ -303,7 +303,7 @@ class CompletionServing:
             raise bad_upstream_response(exc, call.headers) from None
         await self.record_generation(call, response_body, served, upstream_s)
         out = Response(orjson.dumps(capture.client_response(response_body, call.request)),
-                       media_type="application/json", headers=call.served_headers(served[0].model_version))
+                       media_type="application/json", headers=call.answer_headers(served[0].model_version))
         self.metrics.added.labels(call.kind).observe(max(0.0, time.perf_counter() - call.started - upstream_s))
         return out
 
@@ -421,5 +421,5 @@ class CompletionServing:
                 upstream.release()
 
         assert assembler.version is not None
-        headers = {**call.served_headers(assembler.version), "Cache-Control": "no-cache"}
+        headers = {**call.answer_headers(assembler.version), "Cache-Control": "no-cache"}
         return StreamingResponse(body(), media_type="text/event-stream", headers=headers)

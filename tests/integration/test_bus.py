@@ -31,6 +31,7 @@ from flywheel.bus import (
     partition_for_key,
 )
 from flywheel.settings import Settings
+from testbed.procs import wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -38,11 +39,7 @@ DEADLINE_S = 30.0
 
 
 def _wait(condition: Callable[[], bool], what: str, timeout_s: float = DEADLINE_S) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
-        time.sleep(0.05)
+    wait_for(what, condition, timeout_s, 0.05, ignore=(), error=AssertionError)
 
 
 def drain(consumer: Consumer, expected: int, *, settle_s: float = 0.5) -> list[Record]:

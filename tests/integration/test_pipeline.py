@@ -36,6 +36,7 @@ from flywheel.settings import Settings, load_settings
 from flywheel.weights.codec.state import state_sha256
 from flywheel.weights.registry import Registry
 from flywheel.weights.store import make_store
+from tests.fixtures.traffic import wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -169,14 +170,6 @@ def running(*roles: Callable[..., None], settings: Settings) -> Iterator[None]:
         assert not [t for t in threads if t.is_alive()], "a role did not stop within 60s"
         if errors:
             raise errors[0]
-
-
-def wait_for(what: str, check: Callable[[], bool], timeout_s: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s:g}s waiting for {what}")
-        time.sleep(0.2)
 
 
 def read_all(settings: Settings, topic: str, group: str, *, at_least: int, timeout_s: float = 30.0) -> list[Record]:

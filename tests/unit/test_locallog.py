@@ -18,6 +18,7 @@ from kafka.partitioner.default import murmur2 as kafka_murmur2
 
 from flywheel.bus.base import murmur2, partition_for_key
 from flywheel.bus.locallog import CorruptLogError, LocalLogBus, LocalLogConsumer, encode_frame, scan
+from testbed.procs import wait_for
 
 pytestmark = pytest.mark.unit
 
@@ -230,10 +231,7 @@ def _owned(path: Path) -> list[int] | None:
 
 
 def _wait(condition, what: str, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
+    wait_for(what, condition, timeout_s, 0.05, ignore=(), error=AssertionError)
 
 
 def test_group_members_in_two_processes_split_and_fail_over(tmp_path: Path) -> None:

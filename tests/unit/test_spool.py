@@ -30,6 +30,7 @@ from flywheel.bus.frames import CorruptLogError, encode_frame
 from flywheel.settings import Settings, load_settings
 from serving.gateway.shipper import Capture, CaptureFull, spool_dir
 from serving.gateway.spool import Spool, SpoolLocked
+from testbed.procs import wait_for
 
 pytestmark = pytest.mark.unit
 
@@ -251,10 +252,7 @@ def _consume(settings: Settings, expected: int, topic: str = "generations", time
 
 
 def _wait(condition, what: str, timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
+    wait_for(what, condition, timeout_s, 0.02, ignore=(), error=AssertionError)
 
 
 def _metric(registry: CollectorRegistry, name: str, **labels: str) -> float:
