@@ -385,7 +385,7 @@ def test_streams_that_break_off_end_in_an_error_event_and_record_nothing(faulty)
 def test_a_stream_whose_event_cannot_be_spooled_ends_in_an_error_event(tmp_path):
     """[DONE] is the acknowledgement: if the event cannot be recorded the client never gets it.
     The bus refuses everything and ``spool_full = "reject"``: a stream is admitted while the spool
-    has room, a large feedback batch fills the spool while the upstream is still decoding, so the
+    has room, then a large feedback batch fills the spool while the upstream is still decoding, so the
     stream's event is refused at its end and the stream ends with the error instead of [DONE]."""
     from concurrent.futures import ThreadPoolExecutor
 
@@ -393,7 +393,7 @@ def test_a_stream_whose_event_cannot_be_spooled_ends_in_an_error_event(tmp_path)
     from serving.gateway.app import create_app
 
     upstream_port = free_port()
-    with running(upstream_port, delay_ms=400):
+    with running(upstream_port, delay_ms=1500) as upstream:
         settings = load_settings(data_dir=str(tmp_path), bus={"kind": "local", "topic_prefix": "refuse."}, gateway={
             "upstream": f"http://127.0.0.1:{upstream_port}", "spool_max_bytes": 65_536, "spool_full": "reject"})
         with served_app(create_app(settings, producer_factory=RefusingProducer)) as url, \
@@ -403,6 +403,9 @@ def test_a_stream_whose_event_cannot_be_spooled_ends_in_an_error_event(tmp_path)
             assert first.status_code == 200, first.text
             streamed = pool.submit(stream, client, f"{url}/v1/chat/completions",
                                    {"messages": MESSAGES, "stream": True})
+            # The filler must come after the stream is admitted (it reached the upstream), else the
+            # stream itself is refused with 503, and before the upstream's decode ends.
+            wait_until("the stream to reach the upstream", lambda: upstream.received >= 2, timeout_s=10, every_s=0.01)
             items = [{"feedback_id": f"big-{i}", "kind": "explicit", "signal": "comment", "comment": "y" * 9_000}
                      for i in range(8)]
             filler = client.post(f"{url}/v1/feedback", json={"feedback": items},
