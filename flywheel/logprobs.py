@@ -63,9 +63,11 @@ def processed_logprobs(
     return torch.log_softmax(logits, dim=-1)
 
 
-def history(prompt: list[int] | torch.Tensor, output: torch.Tensor, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+def history(prompt: list[int] | torch.Tensor, output: torch.Tensor, vocab: int,
+            earlier: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(seen, output_counts)`` ``[L, V]`` for the ``L`` positions that sample ``output`` ``[L]``
-    after ``prompt``: row ``j`` is the history before ``output[j]`` (the prompt and ``output[:j]``)."""
+    after ``prompt``: row ``j`` is the history before ``output[j]`` (the prompt and ``output[:j]``).
+    ``earlier``: output tokens sampled before ``output`` (the rows of one output, a chunk at a time)."""
     device = output.device
     prompt_t = torch.as_tensor(prompt, dtype=torch.long, device=device)
     in_prompt = torch.zeros(vocab, dtype=torch.bool, device=device)
@@ -73,4 +75,6 @@ def history(prompt: list[int] | torch.Tensor, output: torch.Tensor, vocab: int) 
     one_hot = torch.zeros(len(output), vocab, dtype=torch.int32, device=device)
     one_hot[torch.arange(len(output), device=device), output] = 1
     counts = one_hot.cumsum(dim=0) - one_hot  # tokens strictly before each position
+    if earlier is not None and len(earlier):
+        counts += torch.bincount(earlier, minlength=vocab).to(torch.int32)[None, :]
     return in_prompt[None, :] | (counts > 0), counts

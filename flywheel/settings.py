@@ -360,9 +360,27 @@ class TrainerSettings(_Section):
     #: Token budget of an optimizer step (0: none): a step takes the oldest samples up to
     #: ``batch_size`` of them and up to this many tokens, and starts once either is buffered.
     batch_tokens: int = Field(0, ge=0)
-    #: Padded tokens (rows x longest row) per forward/backward pass: a step larger than this is
-    #: split into micro-batches whose gradients accumulate (same result as one pass, less memory).
+    #: Tokens per forward/backward pass (padded tokens, rows x longest row, when ``packing`` is
+    #: off): a step larger than this is split into micro-batches whose gradients accumulate (same
+    #: result as one pass, less memory). A sample longer than this goes alone.
     micro_batch_tokens: int = Field(8192, ge=1)
+    #: Pack each micro-batch's samples into one row with no padding (positions restart per
+    #: segment, attention never crosses segments: trainer/packing.py); off: one right-padded row
+    #: per segment. Both give the same loss and gradients.
+    packing: bool = True
+    #: Positions per chunk of the lm-head + log-softmax (trainer/head.py): logits are never held
+    #: for more than this many positions at once, forward or backward.
+    logprob_chunk_tokens: int = Field(1024, ge=1)
+    #: Recompute activations in the backward pass instead of keeping them (trainer/compute.py):
+    #: ``block``, each transformer block's (it keeps only its input: the least memory, about a
+    #: third more compute); ``mlp``, each block's MLP intermediates only (most of the memory, a
+    #: small share of the compute); ``none``.
+    activation_checkpointing: Literal["none", "mlp", "block"] = "mlp"
+    #: ``torch.compile`` the model's blocks (falls back to eager, logged, where compiling fails).
+    compile: bool = False
+    #: Write checkpoints and publish versions in a background thread while the next steps train
+    #: (trainer/publisher.py); off: at the publish point, in the loop.
+    publish_in_background: bool = True
     #: Optimizer steps between published versions.
     steps_per_version: int = Field(1, ge=1)
     #: Also publish once this many seconds passed since the last version, if a step was taken

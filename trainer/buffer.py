@@ -1,4 +1,4 @@
-"""Samples in, batches out: the trainer's sample buffer, its staleness bound, offsets and padding.
+"""Samples in, batches out: the trainer's sample buffer, its staleness bound and its bus offsets.
 
 - :class:`SampleBuffer` keeps scored trajectories first-in first-out. A sample's behaviour version
   is the oldest version that served any of its turns; a sample more than ``max_staleness``
@@ -16,59 +16,25 @@
 - Both have a ``state_dict`` / ``load_state_dict`` pair of plain Python data (ints, strings,
   bytes, lists, dicts) for the trainer's checkpoint: a restored buffer and tracker behave exactly
   as the ones saved (queued samples in order, de-dup memories, counters, pending records).
-- :func:`collate` pads a batch of trajectories into ``[B, T]`` tensors, one row per segment, and
-  says which turns were sampled from a processed distribution (the trainer recomputes it there)
-  and which cannot be trained on (greedy, or a knob it cannot recompute), by reason.
+- A taken batch becomes tensors in trainer/batch.py.
 """
 
 from __future__ import annotations
 
 from collections import Counter, OrderedDict, deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from flywheel.bus.base import Record
-from flywheel.events import ScoredTrajectory, Segment, Turn
-from flywheel.sampling import GREEDY_BELOW, Processing
-from trainer.loss import token_advantages
-
-
-def untrainable_reason(turn: Turn) -> str | None:
-    """Why the trainer cannot train on ``turn`` (None: it can). A greedy turn's behaviour logprobs
-    are all 0.0 (a point mass); a turn sampled with a knob ``flywheel.sampling`` cannot recompute
-    (structured output, banned tokens...) has a distribution the ratio cannot be exact against."""
-    if turn.untrainable:
-        return turn.untrainable
-    if turn.temperature < GREEDY_BELOW:
-        return "greedy"
-    return None
-
-
-def trainable_mask(segment: Segment) -> tuple[list[int], Counter[str]]:
-    """The segment's mask less the turns the trainer cannot train on, and those turns' completion
-    tokens by reason (:func:`untrainable_reason`). They still shape the session's rewards."""
-    mask = list(segment.mask)
-    masked: Counter[str] = Counter()
-    for turn in segment.turns:
-        reason = untrainable_reason(turn)
-        if reason is not None:
-            masked[reason] += sum(mask[turn.start : turn.end])
-            mask[turn.start : turn.end] = [0] * (turn.end - turn.start)
-    return mask, masked
+from flywheel.events import ScoredTrajectory
+from trainer.batch import sample_tokens
 
 
 def behaviour_version(sample: ScoredTrajectory) -> int | None:
     """The oldest version that served a turn of ``sample`` (``None``: no turns, nothing to train)."""
     versions = [turn.behaviour_version for segment in sample.segments for turn in segment.turns]
     return min(versions) if versions else None
-
-
-def sample_tokens(sample: ScoredTrajectory) -> int:
-    """Tokens of ``sample`` (prompts and completions of every segment): its cost in a batch."""
-    return sum(len(segment.tokens) for segment in sample.segments)
 
 
 @dataclass(frozen=True)
@@ -299,76 +265,3 @@ class OffsetTracker:
             done_here = self._done.setdefault(pair, set())
             if done:
                 done_here.add(record.offset)
-
-
-#: A turn whose tokens were sampled from a processed distribution: (row, start, end, processing).
-ProcessedTurn = tuple[int, int, int, Processing]
-
-
-@dataclass(frozen=True)
-class Batch:
-    """One row per segment; all ``[B, T]`` except ``row_sample`` ``[B]`` (index of the row's sample).
-
-    ``processed`` names the trainable turns whose behaviour distribution was not the model's own
-    (temperature, top-p, top-k, min-p, penalties, logit bias): the trainer recomputes it there.
-    ``completion_tokens`` counts every completion token of the batch, ``masked`` those left out by reason.
-    """
-
-    tokens: torch.Tensor  # int64, 0 on padding
-    attention: torch.Tensor  # int64, 1 on real tokens
-    logp_behaviour: torch.Tensor  # float32, served logprobs (0 off the mask)
-    mask: torch.Tensor  # float32, 1 on trainable tokens
-    advantages: torch.Tensor  # float32
-    row_sample: torch.Tensor  # int64
-    processed: tuple[ProcessedTurn, ...] = ()
-    completion_tokens: int = 0
-    masked: dict[str, int] = field(default_factory=dict)
-
-    def to(self, device: torch.device) -> Batch:
-        """This batch on ``device`` (itself when it is there already)."""
-        if self.tokens.device == device:
-            return self
-        moved = {f.name: getattr(self, f.name) for f in fields(self)}
-        return Batch(**{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in moved.items()})
-
-
-def collate(samples: Sequence[ScoredTrajectory], baselines: Sequence[float]) -> Batch:
-    """Pad ``samples`` (with one baseline each) into a :class:`Batch`, right-padded to the longest segment.
-
-    Position 0 of a row is never trainable (no token before it to predict it from).
-    """
-    rows: list[tuple[int, list[int], list[int], list[float], torch.Tensor]] = []
-    processed: list[ProcessedTurn] = []
-    completion_tokens = 0
-    masked: Counter[str] = Counter()
-    for i, (sample, baseline) in enumerate(zip(samples, baselines, strict=True)):
-        advantages = token_advantages(sample.turn_rewards, sample.segments, baseline)
-        for segment, adv in zip(sample.segments, advantages, strict=True):
-            if segment.tokens:
-                mask, left_out = trainable_mask(segment)
-                completion_tokens += sum(segment.mask)
-                masked.update(left_out)
-                for turn in segment.turns:
-                    processing = Processing.of(turn)
-                    if not processing.neutral and untrainable_reason(turn) is None and turn.end > turn.start:
-                        processed.append((len(rows), max(turn.start, 1), turn.end, processing))
-                rows.append((i, segment.tokens, mask, segment.logprobs, adv))
-    B = len(rows)
-    T = max((len(r[1]) for r in rows), default=1)
-    tokens = torch.zeros(B, T, dtype=torch.long)
-    attention = torch.zeros(B, T, dtype=torch.long)
-    logp_b = torch.zeros(B, T, dtype=torch.float32)
-    mask = torch.zeros(B, T, dtype=torch.float32)
-    adv_t = torch.zeros(B, T, dtype=torch.float32)
-    row_sample = torch.zeros(B, dtype=torch.long)
-    for b, (i, toks, msk, lps, adv) in enumerate(rows):
-        n = len(toks)
-        tokens[b, :n] = torch.tensor(toks, dtype=torch.long)
-        attention[b, :n] = 1
-        logp_b[b, :n] = torch.tensor(lps, dtype=torch.float32)
-        mask[b, :n] = torch.tensor(msk, dtype=torch.float32)
-        adv_t[b, :n] = adv
-        row_sample[b] = i
-    mask[:, 0] = 0.0
-    return Batch(tokens, attention, logp_b, mask, adv_t, row_sample, tuple(processed), completion_tokens,
-                 dict(masked))

@@ -69,7 +69,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from flywheel.lm import load_state
-from trainer.buffer import Batch
+from trainer.batch import Batch
 
 try:  # public since torch 2.6
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -365,4 +365,5 @@ def placeholder_batch() -> Batch:
     its collectives pair with the other ranks' (zero loss, zero gradient)."""
     zeros = torch.zeros(1, 2)
     return Batch(tokens=torch.zeros(1, 2, dtype=torch.long), attention=torch.ones(1, 2, dtype=torch.long),
-                 logp_behaviour=zeros, mask=zeros.clone(), advantages=zeros.clone(), row_sample=torch.zeros(1, dtype=torch.long))
+                 positions=torch.arange(2)[None, :], logp_behaviour=zeros, mask=zeros.clone(), advantages=zeros.clone(),
+                 sample_index=torch.zeros(1, 2, dtype=torch.long))

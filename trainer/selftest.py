@@ -25,12 +25,12 @@ from torch.distributed.tensor import DTensor
 from flywheel.events import ScoredTrajectory, Segment, Turn
 from flywheel.lm import export_state, load_model
 from flywheel.settings import TrainerSettings
-from trainer.buffer import sample_tokens
+from trainer.batch import micro_batches, sample_tokens
 from trainer.distributed import Dist, unwrap
-from trainer.step import micro_batches, train_step
+from trainer.step import train_step
 
 SELFTEST_SIZES = (5, 4, 1, 6)  # samples per step: step 3 leaves a rank without data
-SELFTEST_MICRO_TOKENS = 64  # padded tokens per micro-batch: ranks run different numbers of passes
+SELFTEST_MICRO_TOKENS = 32  # packed tokens per micro-batch: ranks run different numbers of passes
 SELFTEST_LR = 1e-3
 
 
@@ -103,7 +103,7 @@ def _selftest_run(dist: Dist, model_dir: Path, out_dir: Path) -> dict[str, Any]:
         metrics = train_step(model, optimizer, samples, 0, cfg, measure_parity=True, dist=dist)
         # What each rank trained, and its micro-batches (the others ran placeholders up to the maximum).
         mine = dist.shard(range(len(samples)), cost=lambda j: sample_tokens(samples[j]))
-        passes = len(micro_batches([samples[j] for j in mine], cfg.micro_batch_tokens))
+        passes = len(micro_batches([samples[j] for j in mine], cfg.micro_batch_tokens, packed=cfg.packing))
         shards, counts = dist.all_gather_object(mine), dist.all_gather_object(passes)
         steps.append({**metrics, "shards": shards, "placeholder_passes": sum(max(counts) - c for c in counts)})
         if i == 0:  # the step's gradients (clipped, as the optimizer used them)

@@ -1,5 +1,6 @@
-"""One optimizer step over a batch of scored trajectories: micro-batching, token log-probabilities,
-the clipped importance-sampled loss accumulated over micro-batches, clipping and the update.
+"""One optimizer step over a batch of scored trajectories: micro-batches (packed, trainer/batch.py),
+token log-probabilities (trainer/head.py), the clipped importance-sampled loss accumulated over
+micro-batches, clipping and the update.
 
 The step's loss is a token mean over the whole step (every micro-batch divides by the step's
 trainable-token count), so gradient accumulation equals one pass over the whole batch. Under
@@ -19,52 +20,14 @@ from typing import Any
 import torch
 
 from flywheel.events import ScoredTrajectory
-from flywheel.logprobs import history, processed_logprobs
 from flywheel.settings import TrainerSettings
-from trainer.buffer import ProcessedTurn, behaviour_version, collate, sample_tokens
+from trainer.batch import collate, micro_batches, sample_tokens
+from trainer.buffer import behaviour_version
 from trainer.distributed import SINGLE, Dist, placeholder_batch
+from trainer.head import token_logprobs
 from trainer.loss import policy_loss, turn_values
 
 MAX_GRAD_NORM = 1.0
-
-
-def micro_batches(samples: list[ScoredTrajectory], budget: int) -> list[list[int]]:
-    """Consecutive groups of sample indices whose padded size (rows x longest row) stays within
-    ``budget`` tokens; a sample larger than the budget goes alone."""
-    groups: list[list[int]] = []
-    rows = longest = 0
-    for i, sample in enumerate(samples):
-        segments = [len(s.tokens) for s in sample.segments if s.tokens]
-        n, top = len(segments), max(segments, default=0)
-        if groups and (rows + n) * max(longest, top) <= budget:
-            groups[-1].append(i)
-            rows, longest = rows + n, max(longest, top)
-        else:
-            groups.append([i])
-            rows, longest = n, top
-    return groups
-
-
-def token_logprobs(model: torch.nn.Module, tokens: torch.Tensor, attention: torch.Tensor,
-                   processed: Sequence[ProcessedTurn] = ()) -> torch.Tensor:
-    """``[B, T]``: position ``t`` is ``log p(tokens[:, t] | tokens[:, :t])``; position 0 (no context) is 0.
-
-    ``p`` is the model's own distribution, except on the ``processed`` turns ``(row, start, end,
-    processing)``: there it is the processed distribution the engine sampled from
-    (``flywheel.sampling.processed_logprobs``, with the row's tokens before each position as the
-    penalties' history), so the importance ratio compares like with like. A token that the
-    processing drops under these weights gets ``-inf``."""
-    logits = model(input_ids=tokens, attention_mask=attention).logits.float()  # [B, T, V]
-    picked = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, tokens[:, 1:, None]).squeeze(-1)
-    out = torch.cat([torch.zeros_like(picked[:, :1]), picked], dim=1)
-    for row, start, end, processing in processed:
-        sampled = tokens[row, start:end]
-        seen = counts = None
-        if processing.penalised:
-            seen, counts = history(tokens[row, :start], sampled, logits.shape[-1])
-        logp = processed_logprobs(logits[row, start - 1 : end - 1], processing, seen=seen, output_counts=counts)
-        out[row, start:end] = logp.gather(-1, sampled[:, None]).squeeze(-1)
-    return out
 
 
 def train_step(
@@ -80,8 +43,11 @@ def train_step(
 ) -> dict[str, Any]:
     """One optimizer step on ``samples`` (micro-batched by ``cfg.micro_batch_tokens``, gradients
     accumulated, the loss a token mean over the whole step); returns its metrics: loss terms,
-    ``staleness`` (samples by versions behind ``current_version``) and, when asked and measurable,
-    ``parity``/``parity_p99``/``parity_max`` over the on-policy trainable tokens.
+    ``staleness`` (samples by versions behind ``current_version``) and, when asked, parity:
+    ``parity_by_version`` (behaviour version as a string -> ``parity``/``parity_p99``/``parity_max``
+    over its samples' trainable tokens) and those three at top level for ``current_version``'s
+    samples, when there are any. (A loop that publishes in the background may not know yet which
+    version the master equals: it picks that version's entry once the publish has said.)
 
     Under torchrun every rank calls it with the whole batch and trains its share
     (trainer/distributed.py has the rules: placeholder passes, the global token count, the
@@ -92,25 +58,25 @@ def train_step(
     baselines = [baseline for _, baseline in values]
     mine = dist.shard(range(len(samples)), cost=lambda i: sample_tokens(samples[i]))
     local = [adjusted[i] for i in mine]
-    batches = [(idx, collate([local[i] for i in idx], [baselines[mine[i]] for i in idx]))
-               for idx in micro_batches(local, cfg.micro_batch_tokens)]
+    batches = [(idx, collate([local[i] for i in idx], [baselines[mine[i]] for i in idx], packed=cfg.packing))
+               for idx in micro_batches(local, cfg.micro_batch_tokens, packed=cfg.packing)]
     batches += [([], placeholder_batch())] * (dist.all_reduce_max(len(batches)) - len(batches))
     step_tokens = dist.all_reduce_sum(sum(int((b.mask > 0).sum()) for _, b in batches))
 
     optimizer.zero_grad(set_to_none=True)
     sums = {"loss": 0.0, "clip_frac": 0.0, "trunc_frac": 0.0, "mean_ratio": 0.0, "mean_abs_log_ratio": 0.0, "kl": 0.0}
-    parity: list[float] = []
+    parity: dict[int, list[float]] = {}  # behaviour version -> |logp_new - logp_served| per trainable token
     completion_tokens, masked = 0, Counter[str]()
     for idx, batch in batches:
         batch = batch.to(dist.device)
         completion_tokens += batch.completion_tokens
         masked.update(batch.masked)
         with dist.autocast():
-            logp_new = token_logprobs(model, batch.tokens, batch.attention, batch.processed)
+            logp_new = token_logprobs(model, batch, cfg.logprob_chunk_tokens)
             logp_ref = None
             if reference is not None and cfg.kl_coef > 0:
                 with torch.no_grad():  # the reference under the same processing: the KL compares like with like
-                    logp_ref = token_logprobs(reference, batch.tokens, batch.attention, batch.processed)
+                    logp_ref = token_logprobs(reference, batch, cfg.logprob_chunk_tokens)
                 # A token outside the reference's processed support adds no KL estimate (d = 0).
                 logp_ref = torch.where(torch.isfinite(logp_ref), logp_ref, logp_new.detach())
         # A token the processing drops under the current weights (the behaviour kept it) has
@@ -126,10 +92,12 @@ def train_step(
         for key in ("clip_frac", "trunc_frac", "mean_ratio", "mean_abs_log_ratio", "kl"):
             sums[key] += getattr(out, key) * out.tokens
         if measure_parity and idx:
-            on_policy = torch.tensor([behaviour_version(local[idx[i]]) == current_version
-                                      for i in batch.row_sample.tolist()], device=dist.device)
-            keep = (batch.mask > 0) & on_policy[:, None]
-            parity += (logp_new.detach() - batch.logp_behaviour)[keep].abs().tolist()
+            trained = batch.mask > 0
+            diffs, owners = (logp_new.detach() - batch.logp_behaviour).abs()[trained], batch.sample_index[trained]
+            for i in owners.unique().tolist():
+                version = behaviour_version(local[idx[i]])
+                if version is not None:
+                    parity.setdefault(version, []).extend(diffs[owners == i].tolist())
     grad_norm = dist.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], MAX_GRAD_NORM)
     optimizer.step()
 
@@ -144,8 +112,17 @@ def train_step(
                                           Counter()).items())))
     metrics["staleness"] = dict(Counter(str(current_version - behaviour_version(s)) for s in samples))  # type: ignore[operator]
     if measure_parity:
-        diffs = torch.tensor([d for part in dist.all_gather_object(parity) for d in part])
-        if diffs.numel():
-            metrics.update(parity=float(diffs.mean()), parity_p99=float(torch.quantile(diffs, 0.99)),
-                           parity_max=float(diffs.max()))
+        gathered: dict[int, list[float]] = {}
+        for part in dist.all_gather_object(parity):
+            for version, values in part.items():
+                gathered.setdefault(version, []).extend(values)
+        by_version = {str(v): parity_stats(d) for v, d in sorted(gathered.items()) if d}
+        metrics["parity_by_version"] = by_version
+        metrics.update(by_version.get(str(current_version), {}))
     return metrics
+
+
+def parity_stats(diffs: Sequence[float]) -> dict[str, float]:
+    """``parity`` (mean), ``parity_p99`` and ``parity_max`` of absolute logprob differences."""
+    t = torch.tensor(diffs, dtype=torch.float64)
+    return {"parity": float(t.mean()), "parity_p99": float(torch.quantile(t, 0.99)), "parity_max": float(t.max())}

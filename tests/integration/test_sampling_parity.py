@@ -3,8 +3,8 @@ policy), the built-in engine's served logprobs equal the trainer's recomputation
 distribution to 1e-5, over a grid of temperature, top-p, top-k, min-p and repetition penalty.
 
 The path is the production one: ``Engine`` samples, the turn is assembled by ingest
-(``build_segments``) from a GenerationEvent carrying the applied sampling, collated by the trainer's
-buffer, and ``trainer.step.token_logprobs`` recomputes it on the policy's model.
+(``build_segments``) from a GenerationEvent carrying the applied sampling, collated by the trainer
+(trainer/batch.py), and ``trainer.head.token_logprobs`` recomputes it on the policy's model.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from flywheel.events import GenerationEvent, SamplingParams, ScoredTrajectory
 from flywheel.sampling import Processing
 from flywheel.settings import TrainerSettings, load_settings
 from ingest.assemble import build_segments
-from trainer.buffer import collate
+from trainer.batch import collate
+from trainer.head import token_logprobs
 from trainer.policy import Policy
-from trainer.step import token_logprobs
 
 pytestmark = pytest.mark.integration
 
@@ -67,14 +67,15 @@ def test_served_logprobs_equal_the_trainers_recomputation(engine_and_policy, tem
                                 segments=build_segments([_event(p, f.result()[0], sampling, i)]), turn_rewards=[1.0],
                                 total_reward=1.0, reward_spec_version="v")
                for i, (p, f) in enumerate(zip(prompts, futures, strict=True))]
-    batch = collate(samples, [0.0] * len(samples))
-    assert len(batch.processed) == (0 if processing.neutral else len(samples))
-    with torch.no_grad():
-        recomputed = token_logprobs(model, batch.tokens, batch.attention, batch.processed)
-    on = batch.mask > 0
-    assert int(on.sum()) == sum(len(f.result()[0].token_ids) for f in futures)  # every completion token trainable
-    gap = (recomputed - batch.logp_behaviour)[on].abs().max().item()
-    assert gap < 1e-5, f"served and recomputed logprobs differ by {gap:.2e}"
+    for packed in (False, True):  # one padded row per sample, or all four back to back in one row
+        batch = collate(samples, [0.0] * len(samples), packed=packed)
+        assert len(batch.processed) == (0 if processing.neutral else len(samples))
+        with torch.no_grad():
+            recomputed = token_logprobs(model, batch, chunk=5)  # turns span several chunks
+        on = batch.mask > 0
+        assert int(on.sum()) == sum(len(f.result()[0].token_ids) for f in futures)  # every completion token trainable
+        gap = (recomputed - batch.logp_behaviour)[on].abs().max().item()
+        assert gap < 1e-5, f"served and recomputed logprobs differ by {gap:.2e} ({packed=})"
 
 
 def test_greedy_and_unsupported_turns_are_masked_and_counted(engine_and_policy) -> None:
@@ -140,9 +141,9 @@ def test_the_n_choices_of_one_request_are_each_exact_and_trainable(engine_and_po
     assert [(t.group_id, t.choice_index) for s in segments for t in s.turns] == [("g", i) for i in range(4)]
     sample = ScoredTrajectory(tenant="t", session_id="s", trajectory_id="tr", model_line="tiny", segments=segments,
                               turn_rewards=[1.0] * 4, total_reward=4.0, reward_spec_version="v")
-    batch = collate([sample], [0.0])
+    batch = collate([sample], [0.0], packed=True)
     with torch.no_grad():
-        recomputed = token_logprobs(model, batch.tokens, batch.attention, batch.processed)
+        recomputed = token_logprobs(model, batch)
     on = batch.mask > 0
     assert int(on.sum()) == sum(len(c.token_ids) for c in choices)
     gap = (recomputed - batch.logp_behaviour)[on].abs().max().item()

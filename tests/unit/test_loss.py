@@ -164,7 +164,7 @@ def test_buffer_trains_each_trajectory_once_newest_revision_first() -> None:
 
 
 def test_greedy_turns_are_not_trained_and_processed_ones_are_recomputed() -> None:
-    from trainer.buffer import collate, trainable_mask
+    from trainer.batch import collate, trainable_mask
 
     hot, cold, warm = scored("h", [0, 0]), scored("c", [0, 0], temperature=0.0), scored("w", [0, 0], temperature=0.7)
     assert trainable_mask(hot.segments[0]) == (hot.segments[0].mask, {})
@@ -196,7 +196,7 @@ def test_offset_tracker_commits_only_done_prefixes() -> None:
 
 
 def test_collate_pads_rows_and_aligns_advantages() -> None:
-    from trainer.buffer import collate
+    from trainer.batch import collate
 
     a = scored("a", [0, 0], rewards=[1.0, 0.0])  # tokens 9 10 20 11 21, trainable at 2 and 4
     b = scored("b", [0], rewards=[2.0])  # tokens 9 10 20
@@ -206,4 +206,22 @@ def test_collate_pads_rows_and_aligns_advantages() -> None:
     assert batch.mask.tolist() == [[0, 0, 1, 0, 1], [0, 0, 1, 0, 0]]
     assert batch.logp_behaviour.tolist() == [[0.0, 0.0, -0.5, 0.0, -1.5], [0.0, 0.0, -0.5, 0.0, 0.0]]
     assert batch.advantages.tolist() == [[0.0, 0.0, 0.5, 0.0, -0.5], [0.0, 0.0, 1.0, 0.0, 0.0]]
-    assert batch.row_sample.tolist() == [0, 1]
+    assert batch.positions.tolist() == [[0, 1, 2, 3, 4], [0, 1, 2, 0, 0]]
+    assert batch.sample_index.tolist() == [[0, 0, 0, 0, 0], [1, 1, 1, -1, -1]]
+    assert batch.cu_seqlens is None and not batch.packed
+
+
+def test_collate_packs_segments_back_to_back_in_one_row() -> None:
+    from trainer.batch import collate
+
+    a = scored("a", [0, 0], rewards=[1.0, 0.0])  # tokens 9 10 20 11 21, trainable at 2 and 4
+    b = scored("b", [0], rewards=[2.0], temperature=0.7)  # tokens 9 10 20, processed
+    batch = collate([a, b], baselines=[0.5, 1.0], packed=True)
+    assert batch.tokens.tolist() == [[9, 10, 20, 11, 21, 9, 10, 20]]
+    assert batch.positions.tolist() == [[0, 1, 2, 3, 4, 0, 1, 2]]
+    assert batch.cu_seqlens.tolist() == [0, 5, 8] and batch.max_seqlen == 5
+    assert batch.mask.tolist() == [[0, 0, 1, 0, 1, 0, 0, 1]]
+    assert batch.advantages.tolist() == [[0.0, 0.0, 0.5, 0.0, -0.5, 0.0, 0.0, 1.0]]
+    assert batch.sample_index.tolist() == [[0, 0, 0, 0, 0, 1, 1, 1]]
+    # b's turn sits at 2..3 of its segment, which starts at 5 of the row; its history starts there.
+    assert [(row, begin, start, end) for row, begin, start, end, _ in batch.processed] == [(0, 5, 7, 8)]

@@ -89,12 +89,23 @@ def test_sync_mode_buffer_drops_every_off_policy_sample() -> None:
 
 
 def test_micro_batches_respect_the_padded_budget() -> None:
-    from trainer.step import micro_batches
+    from trainer.batch import micro_batches
+
+    samples = [scored(f"s{i}", [1] * k) for i, k in enumerate([1, 1, 3, 1, 6])]  # 3, 3, 7, 3, 13 tokens
+    assert micro_batches(samples, 1000, packed=False) == [[0, 1, 2, 3, 4]]
+    assert micro_batches(samples, 14, packed=False) == [[0, 1], [2, 3], [4]]  # [0, 1, 2] would pad to 3 x 7 = 21
+    assert micro_batches(samples, 1, packed=False) == [[0], [1], [2], [3], [4]]
+
+
+def test_packed_micro_batches_fill_the_budget_largest_first() -> None:
+    from trainer.batch import micro_batches
 
     samples = [scored(f"s{i}", [1] * k) for i, k in enumerate([1, 1, 3, 1, 6])]  # 3, 3, 7, 3, 13 tokens
     assert micro_batches(samples, 1000) == [[0, 1, 2, 3, 4]]
-    assert micro_batches(samples, 14) == [[0, 1], [2, 3], [4]]  # [0, 1, 2] would pad to 3 x 7 = 21
-    assert micro_batches(samples, 1) == [[0], [1], [2], [3], [4]]
+    # First-fit decreasing: 13 alone (13 + 3 > 14), then 7 + 3 + 3, then the last 3.
+    assert micro_batches(samples, 14) == [[4], [0, 1, 2], [3]]
+    assert micro_batches(samples, 16) == [[0, 4], [1, 2, 3]]
+    assert sorted(len(g) for g in micro_batches(samples, 1)) == [1] * 5
 
 
 def _task_samples(tokenizer_vocab: int, n: int, seed: int, version: int = 0) -> list[ScoredTrajectory]:
