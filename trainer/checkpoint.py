@@ -11,24 +11,30 @@ it carries the same metrics, so a version and its checkpoint name each other.
 
 The protocol at a publish point: (1) write the checkpoint atomically (temporary file, ``fsync``,
 ``os.replace``, ``fsync`` of the directory), (2) publish the version through the registry (which
-allocates ``max + 1``), (3) commit the done prefix of the bus offsets. On start, the trainer loads
-the newest checkpoint and looks for the version carrying its token: found, that is the current
-version; not found, it publishes the checkpoint's weights now. Crash windows (``kill -9``):
+allocates ``max + 1``), (3) commit the done prefix of the bus offsets. With background publishing
+(trainer/publisher.py) a worker thread runs (1) and (2) on snapshots taken at the cut while the
+loop trains on, and the loop runs (3) once the worker reports the version; the order is the same,
+points never overlap (the next cut waits for the pending one), and so are the windows below, which
+may now fall while later steps train. On start, the trainer loads the newest checkpoint and looks
+for the version carrying its token: found, that is the current version; not found, it publishes the
+checkpoint's weights now. Crash windows (``kill -9``):
 
-- While training between publish points: the steps since the last checkpoint are lost, nothing
-  else. The restart restores the checkpoint bit for bit; the bus redelivers every record after
-  its committed offset; records below the checkpoint's read positions are skipped (their fate is
-  in the restored buffer, counters and de-dup memory), later ones are processed as new. The lost
-  steps were in no version, so no sample was used by them.
+- While training between publish points, or after a cut before its checkpoint is written (the
+  snapshot is only in memory): the steps since the last checkpoint are lost, nothing else. The
+  restart restores the checkpoint bit for bit; the bus redelivers every record after its committed
+  offset; records below the checkpoint's read positions are skipped (their fate is in the restored
+  buffer, counters and de-dup memory), later ones are processed as new. The lost steps were in no
+  version, so no sample was used by them.
 - While writing the checkpoint: the temporary file is never loaded (and is removed); the previous
   checkpoint stands, as above.
 - After the checkpoint, before the registry row is inserted (upload, verification): no version
   has the token, so the restart publishes the checkpoint's weights: the number is allocated once,
-  from the registry. The interrupted upload may leave an object under its random key, unreferenced.
-- After the row, before the bus commit: the restart finds the version by its token and adopts it
-  (its hash is checked against the restored weights); nothing is published again. The bus
-  redelivers the done records; the tracker knows them as done and commits them at the next
-  publish point.
+  from the registry. The interrupted upload may leave an object under its random key,
+  unreferenced. Steps trained since the cut are lost, as in the first case.
+- After the row, before the bus commit (with background publishing: before the loop has seen the
+  version): the restart finds the version by its token and adopts it (its hash is checked against
+  the restored weights); nothing is published again. The bus redelivers the done records; the
+  tracker knows them as done and commits them at the next publish point.
 - After the commit: as the previous case, with nothing redelivered.
 
 So a trajectory id appears in the ``trajectory_ids`` of at most one version, version numbers are

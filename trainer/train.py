@@ -2,8 +2,22 @@
 
 ``train(settings, stop)`` reads top to bottom: setup (resume from the newest checkpoint) ->
 loop (consume -> buffer -> step) -> every ``trainer.steps_per_version`` steps, or once
-``trainer.publish_every_s`` passed since the last version: checkpoint -> publish -> commit
-offsets -> cleanup.
+``trainer.publish_every_s`` passed since the last version, a publish point: checkpoint -> publish
+-> commit offsets -> cleanup.
+
+- Publishing runs off the critical path (``trainer.publish_in_background``, trainer/publisher.py).
+  At the cut the loop gathers the full fp32 master and Adam state (a collective under torchrun:
+  every rank, synchronously), takes the bf16 export (from rank 0's replica under torchrun), keeps
+  snapshots that later steps cannot change, and hands them to the publisher; a worker thread
+  writes the checkpoint and publishes while the next steps train. The loop polls it every turn
+  and, once the version exists, makes it ``current``, commits the offsets that were committable at
+  the cut (the consumer is not thread-safe: only the loop touches it) and purges stale samples. At
+  most one point is pending: the next cut first waits for it, since its version is the next
+  checkpoint's parent. So ``current`` (the version given to ``buffer.add``, ``purge_stale`` and
+  the ``staleness`` metric) lags the master by at most that one pending publish: a sample may
+  count as one version less stale than it is, for a few steps. Off: the same work inline, at the
+  cut. A failure in the worker is re-raised in the loop and ends the trainer as before; on stop the
+  loop waits for the pending point and commits it.
 
 - Modes: ``async`` (the product setting) trains on whatever arrives within ``max_staleness``
   versions; ``sync`` (for comparison, bench/trainer.py) only on samples served by the version being
@@ -12,9 +26,12 @@ offsets -> cleanup.
   weights, or with ``trainer.lora_publish = "adapter"`` the adapter state on the fixed base
   ``model.path``).
 - A step takes the oldest ``batch_size`` samples (or fewer, within ``batch_tokens``), runs them in
-  micro-batches of at most ``micro_batch_tokens`` padded tokens and accumulates their gradients;
-  the loss is a token mean over the whole step, so the split never changes the result. An optional
-  KL term (``kl_coef``) pulls towards the frozen model the line started from.
+  micro-batches of at most ``micro_batch_tokens`` tokens, each packed into one row without padding
+  (trainer/batch.py), and accumulates their gradients; the loss is a token mean over the whole
+  step, so the split never changes the result. Log-probabilities are computed only where trained,
+  the lm-head in chunks (trainer/head.py); blocks may be checkpointed or compiled
+  (trainer/compute.py). An optional KL term (``kl_coef``) pulls towards the frozen model the line
+  started from.
 
 - Durability (``trainer.checkpoint``, whose docstring walks through every crash window): the
   checkpoint written before each publish holds the fp32 master, Adam moments, LR schedule, step,
@@ -38,13 +55,16 @@ offsets -> cleanup.
   ``prompt_key`` when the batch holds two or more samples of one prompt, else the batch mean
   (``trainer.loss.turn_values``).
 - Offsets are committed only when a version is published (after its checkpoint), and only the
-  prefix of records that are done, so a crash never skips a buffered sample.
+  prefix of records that were done when its point was cut, so a crash never skips a buffered sample.
 - Metrics of each version: the step means of the loss terms, the buffer's counters (drops by
   reason), ``staleness`` (trained samples by versions behind), and parity: mean, p99 and max of
   ``|logp_train - logp_served|`` over trainable tokens of samples served by the version being
   trained (a rollout gate: serving/rollout.py), measured on the first step after that version was
-  loaded or published, where the fp32 master still equals it (up to bf16 rounding, itself part of
-  the train/inference mismatch this measures); later steps have moved the master away.
+  loaded or cut, where the fp32 master still equals it (up to bf16 rounding, itself part of the
+  train/inference mismatch this measures); later steps have moved the master away. That step may
+  run before a background publish has said the version's number, so it measures every served
+  version (``parity_by_version``) and ``summarise`` picks the entry of the window's starting
+  version (the new version's parent) when the next point is cut.
 - Position ``t`` of ``logp_new`` is ``log p(token t | tokens < t)`` under the distribution the
   turn was sampled from: each turn records its sampling (temperature, top-p, top-k, min-p,
   penalties, logit bias), and the trainer recomputes that processed distribution
@@ -80,10 +100,11 @@ from flywheel.settings import Settings, TrainerSettings
 from flywheel.weights.codec.state import state_sha256
 from flywheel.weights.registry import Registry, State, VersionInfo
 from flywheel.weights.store import make_store
-from trainer import checkpoint
+from trainer import checkpoint, compute
 from trainer.buffer import OffsetTracker, SampleBuffer
 from trainer.distributed import Dist
 from trainer.policy import Policy
+from trainer.publisher import Publisher, Snapshot, publish, snapshot
 from trainer.step import train_step
 
 log = logging.getLogger("flywheel.trainer")
@@ -153,7 +174,8 @@ def _train(settings: Settings, stop: threading.Event, dist: Dist) -> None:
     step = start["step"]
     # Rank 0 exports versions from a plain replica (sharded parameters cannot be exported in place).
     exporter = copy.deepcopy(policy) if dist.enabled and dist.is_main else policy
-    model = dist.wrap(policy.model)  # every rank starts from rank 0's weights
+    # Checkpointed/compiled blocks (trainer.compute) on the trained model only, before wrapping.
+    model = dist.wrap(compute.prepare(policy.model, cfg))  # every rank starts from rank 0's weights
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr,
                                   weight_decay=cfg.weight_decay)
     # Adam's first steps move every weight by a full lr (its moment estimates are fresh), which
@@ -177,7 +199,7 @@ def _train(settings: Settings, stop: threading.Event, dist: Dist) -> None:
         offsets.load_state_dict(resumed.offsets)
         info = checkpoint.find_published(registry, resumed)
         if info is None:  # the crash came between checkpoint and publish: publish it now
-            info = publish(registry, exporter, resumed, registry.load(resumed.parent))
+            info = publish(registry, exporter.export(), resumed, registry.load(resumed.parent))
         elif info.sha256 != state_sha256(exporter.export()):
             raise checkpoint.CheckpointError(f"v{info.version} carries the checkpoint's token but not its weights")
         current, published = info.version, exporter.export()
@@ -196,29 +218,48 @@ def _train(settings: Settings, stop: threading.Event, dist: Dist) -> None:
              f"LoRA r={cfg.lora_rank}, {cfg.lora_publish} versions" if policy.lora else "full", dist.world_size,
              dist.wrapper, dist.device, current, step, cfg.lr, cfg.batch_size)
 
-    def publish_point() -> None:
-        """Checkpoint -> publish -> commit (crash windows: trainer.checkpoint)."""
-        nonlocal current, published, window, trained_ids, last_publish
-        master, optimizer_state = _full_states(dist, model, optimizer)
-        if exporter is not policy:
-            exporter.load_master(master)
-        done = offsets.committable()
-        ckpt = checkpoint.Checkpoint(
-            model_line=settings.model.line, step=step, parent=current,
-            parent_sha256=registry.get(current).sha256, publish_token=secrets.token_hex(16),
-            metrics={**summarise(window, buffer.counters()), "trajectory_ids": trained_ids},
-            model=master, optimizer=optimizer_state, scheduler=scheduler.state_dict(),
-            buffer=buffer.state_dict(), offsets=offsets.state_dict(),
-        )
-        checkpoint.save(ckpt_dir, ckpt, keep=cfg.keep_checkpoints)
-        heartbeat.beat()
-        info = publish(registry, exporter, ckpt, published)
-        current, published, window, trained_ids = info.version, exporter.export(), [], []
-        last_publish = time.monotonic()
+    publisher = Publisher(registry, ckpt_dir, cfg.keep_checkpoints, background=cfg.publish_in_background)
+    pending: tuple[State, list[Record]] | None = None  # the point being written: its export, its committable offsets
+    waited_s = 0.0  # seconds publish points waited for the previous one (submit's waits: publisher.stall_s)
+
+    def settle(info: VersionInfo | None) -> None:
+        """The pending point's version exists: it is current; commit what was done at its cut."""
+        nonlocal current, published, pending
+        if info is None:
+            return
+        assert pending is not None
+        (published, done), pending = pending, None
+        current = info.version
         if done:
             consumer.commit(done)
         for entry in buffer.purge_stale(current):
             offsets.done(entry.record)
+
+    def publish_point() -> None:
+        """Cut a publish point: gather and snapshot the states, then checkpoint -> publish in the
+        publisher (background or inline) and, once it says, commit (crash windows: trainer.checkpoint)."""
+        nonlocal pending, window, trained_ids, last_publish, waited_s
+        master, optimizer_state = _full_states(dist, model, optimizer)  # a collective: every rank, now
+        if exporter is not policy:
+            exporter.load_master(master)
+        point = Snapshot(master, optimizer_state, exporter.export())  # inline: written before the next step
+        if publisher.background:  # copies of whatever the next steps would change (the Adam moments in one process)
+            point = snapshot(*point, live=(model, optimizer, exporter.model))
+        waited = time.monotonic()
+        settle(publisher.wait())  # the previous point's version is this one's parent
+        waited_s += time.monotonic() - waited
+        done = offsets.committable()  # as before: these records leave the tracker, the commit covers them
+        ckpt = checkpoint.Checkpoint(
+            model_line=settings.model.line, step=step, parent=current,
+            parent_sha256=registry.get(current).sha256, publish_token=secrets.token_hex(16),
+            metrics={**summarise(window, buffer.counters(), current), "trajectory_ids": trained_ids},
+            model=point.master, optimizer=point.optimizer, scheduler=copy.deepcopy(scheduler.state_dict()),
+            buffer=buffer.state_dict(), offsets=offsets.state_dict(),
+        )
+        pending = (point.export, done)
+        publisher.submit(ckpt, point.export, published)
+        window, trained_ids, last_publish = [], [], time.monotonic()
+        settle(publisher.done())  # inline: written already
 
     # --- loop: consume -> buffer -> step (every rank) -> publish point ----------------------------
     # Each turn rank 0 tells the other ranks what to do (idle, step, publish, stop), so they never
@@ -227,6 +268,7 @@ def _train(settings: Settings, stop: threading.Event, dist: Dist) -> None:
     try:
         while True:
             heartbeat.beat()
+            settle(publisher.done())  # a version written in the background: current, commit
             if stop.is_set():
                 dist.broadcast_object(("stop",))
                 break
@@ -266,12 +308,18 @@ def _train(settings: Settings, stop: threading.Event, dist: Dist) -> None:
             if due:
                 publish_point()
     finally:
-        # --- cleanup -----------------------------------------------------------------------------
-        log.info("trainer stopping at step %d, v%d: %s", step, current, buffer.counters())
-        heartbeat.close()
-        consumer.close()
-        bus.close()
-        engine.dispose()
+        # --- cleanup: the point being written is finished and committed (unless it failed) -----
+        try:
+            if publisher.error is None:
+                settle(publisher.wait())
+        finally:
+            publisher.close()
+            log.info("trainer stopping at step %d, v%d (publishing stalled the loop %.1fs): %s", step, current,
+                     publisher.stall_s + waited_s, buffer.counters())
+            heartbeat.close()
+            consumer.close()
+            bus.close()
+            engine.dispose()
 
 
 def _follow(dist: Dist, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
@@ -294,20 +342,6 @@ def _follow(dist: Dist, model: torch.nn.Module, optimizer: torch.optim.Optimizer
 def _full_states(dist: Dist, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
     """The whole fp32 master and optimizer state on rank 0 (``{}`` elsewhere); every rank calls it."""
     return dist.full_state_dict(model), dist.optimizer_state_dict(model, optimizer)
-
-
-def publish(registry: Registry, policy: Policy, ckpt: checkpoint.Checkpoint, parent_state: State) -> VersionInfo:
-    """Publish the policy's bf16 export as the version made from ``ckpt`` (its metrics carry the token)."""
-    info = registry.publish(
-        policy.export(), parent=ckpt.parent, parent_state=parent_state, train_step=ckpt.step,
-        metrics={**ckpt.metrics, "publish_token": ckpt.publish_token},
-    )
-    log.info(
-        "published v%d (%s, %d bytes, %.1f%% of full) at step %d: %s",
-        info.version, info.kind, info.bytes, 100.0 * info.bytes / max(info.full_bytes, 1), ckpt.step,
-        {k: round(v, 4) for k, v in info.metrics.items() if isinstance(v, float)},
-    )
-    return info
 
 
 def vet(records: list[Record], model_line: str, vocab_size: int,
@@ -345,17 +379,25 @@ def untrainable(sample: ScoredTrajectory, model_line: str, vocab_size: int) -> s
     return None
 
 
-def summarise(window: list[dict[str, Any]], counters: dict[str, int]) -> dict[str, Any]:
+def summarise(window: list[dict[str, Any]], counters: dict[str, int], version: int) -> dict[str, Any]:
     """The metrics recorded with a version: step means (sums for counts, maxima for ``parity_max``,
-    a summed ``staleness`` histogram) plus the buffer counters."""
+    a summed ``staleness`` histogram) plus the buffer counters.
+
+    ``version`` is the one the window's master started from (the new version's parent): parity is
+    its entry in the steps' ``parity_by_version``, i.e. over the samples that version served, not
+    the step's top-level parity, which is for the version the loop knew at step time (one behind,
+    right after a cut, while the previous point was still being published in the background)."""
     out: dict[str, Any] = {}
+    parity = [by[str(version)] for m in window if str(version) in (by := m.get("parity_by_version", {}))]
     for key in ("loss", "mean_reward", "clip_frac", "trunc_frac", "mean_ratio", "mean_abs_log_ratio", "kl",
-                "grad_norm", "parity", "parity_p99"):
+                "grad_norm"):
         values = [m[key] for m in window if key in m]
         if values:
             out[key] = fmean(values)
-    if maxima := [m["parity_max"] for m in window if "parity_max" in m]:
-        out["parity_max"] = max(maxima)
+    if parity:
+        out["parity"] = fmean(p["parity"] for p in parity)
+        out["parity_p99"] = fmean(p["parity_p99"] for p in parity)
+        out["parity_max"] = max(p["parity_max"] for p in parity)
     out["samples"] = int(sum(m["samples"] for m in window))
     out["tokens"] = int(sum(m["tokens"] for m in window))
     # Completion tokens of the trajectories taken, and those left out of training by reason

@@ -7,6 +7,13 @@ real: token ids and logprobs sampled from that model, sent as ScoredTrajectory e
 redelivered duplicates, late revisions and one undecodable record. The random kill lands in any
 crash window (trainer/checkpoint.py); the two windows around the registry insert are also hit on
 purpose, in process, by a publish that dies just before or just after its row is written.
+
+Publishing runs in the background by default (``trainer.publish_in_background``,
+trainer/publisher.py), so the random kills mostly land while a checkpoint write or a publish is in
+flight in the worker thread and the next step trains, and the injected crashes are raised in that
+worker and surface in the loop; the ``full_inline`` variant kills the inline publisher. The last
+test checks that a version published in the background names exactly the weights of the step it
+was cut at.
 """
 
 from __future__ import annotations
@@ -74,9 +81,11 @@ def samples(tiny_model_dir: Path) -> list[ScoredTrajectory]:
 
 #: The trainer variants the kill test runs: full-parameter; LoRA with a KL term to the base model
 #: and micro-batches small enough that every step accumulates gradients over several passes; LoRA
-#: publishing adapter versions (on an empty registry, which the trainer seeds with the zero adapter).
+#: publishing adapter versions (on an empty registry, which the trainer seeds with the zero adapter);
+#: full-parameter publishing inline, at the cut (the others publish in the background).
 VARIANTS = {
     "full": {},
+    "full_inline": {"publish_in_background": False},
     "lora_kl_microbatched": {"lora_rank": 4, "kl_coef": 0.05, "micro_batch_tokens": 64},
     "lora_adapter": {"lora_rank": 4, "lora_publish": "adapter"},
 }
@@ -282,3 +291,71 @@ def read_dlq(settings: Settings) -> list[bytes]:
         consumer.close()
         bus.close()
     return out
+
+
+
+def test_each_version_names_the_weights_of_its_step_while_later_steps_train(
+    tmp_path: Path, sqlite_url: str, tiny_model_dir: Path, samples: list[ScoredTrajectory],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One version per step, each publish slowed down: every version's hash is the bf16 export of
+    the master right after its step, although in the background the next step trained while it was
+    being written; inline and background publishing give the same versions and metrics (but for
+    ``staleness``, which in the background counts against the version the loop knew: one behind
+    for the first step after a cut)."""
+    import trainer.train as recipe
+    from flywheel.lm import export_state
+    from flywheel.weights.codec.state import state_sha256
+
+    after_step: dict[int, str] = {}  # step -> hash of the bf16 export of the master right after it
+    events: list[tuple[str, int]] = []  # ("stepped", step) / ("published", version), in order
+    real_step, real_publish = recipe.train_step, Registry.publish
+
+    def recording_step(model: Any, *args: Any, **kw: Any) -> Any:
+        out = real_step(model, *args, **kw)
+        after_step[len(after_step) + 1] = state_sha256(export_state(model))
+        events.append(("stepped", len(after_step)))
+        return out
+
+    def slow_publish(self: Registry, state: Any, **kw: Any) -> Any:
+        time.sleep(0.5)  # an upload that takes a while
+        info = real_publish(self, state, **kw)
+        events.append(("published", info.version))
+        return info
+
+    monkeypatch.setattr(recipe, "train_step", recording_step)
+    monkeypatch.setattr(Registry, "publish", slow_publish)
+    part = samples[:16]  # 4 steps, 4 versions
+    runs = {}
+    for background in (True, False):
+        root = tmp_path / ("background" if background else "inline")
+        settings = make_settings(root, f"sqlite:///{root / 'flywheel.db'}", tiny_model_dir,
+                                 publish_in_background=background)
+        settings = settings.model_copy(update={"bus": settings.bus.model_copy(update={"partitions": 1})})  # same batches
+        registry = registry_for(settings)
+        send(settings, [s.to_bytes() for s in part])
+        after_step.clear()
+        events.clear()
+        stop, errors = threading.Event(), []
+        thread = threading.Thread(target=lambda: run_or_record(recipe.train, settings, stop, errors), daemon=True)
+        thread.start()
+        deadline = time.monotonic() + 90
+        while len(trained_ids(registry)) < len(part) and time.monotonic() < deadline and thread.is_alive():
+            time.sleep(0.1)
+        stop.set()
+        thread.join(30)
+        assert not errors and not thread.is_alive(), errors
+
+        versions = registry.versions()[1:]
+        assert [(v.version, v.train_step) for v in versions] == [(1, 1), (2, 2), (3, 3), (4, 4)], background
+        for v in versions:
+            assert v.sha256 == after_step[v.train_step], (background, v.version)
+        if background:  # step v + 1 trained while v was being written
+            for v in (1, 2, 3):
+                assert events.index(("stepped", v + 1)) < events.index(("published", v)), events
+        else:
+            assert events == [e for v in (1, 2, 3, 4) for e in (("stepped", v), ("published", v))], events
+        assert "parity" in versions[0].metrics  # on v0's samples, on the first step from v0
+        runs[background] = [(v.sha256, {k: x for k, x in v.metrics.items() if k not in ("staleness", "publish_token")})
+                            for v in versions]
+    assert runs[True] == runs[False]
