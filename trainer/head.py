@@ -16,8 +16,9 @@ builds (8k tokens x 32k vocab is 1 GiB, and autograd keeps several):
    the root's parameters there) but computes nothing.
 2. A packed batch (trainer/batch.py) attends segment by segment (:func:`varlen_attention`, the
    ``flywheel_varlen`` attention implementation registered with transformers): flash varlen
-   attention (``torch.nn.attention.varlen``) on CUDA in bf16/fp16, else exact causal SDPA over
-   each segment's slice; no ``[T x T]`` mask is ever built and no segment sees another.
+   attention (``torch.nn.attention.varlen``) on CUDA in bf16/fp16; else exact causal SDPA: short
+   segments of similar lengths as the right-padded rows of one call (:data:`BATCHED_UP_TO`),
+   others one slice at a time. No segment sees another.
 3. The lm-head, log-softmax and gather run over the trainable positions only, ``chunk`` positions
    at a time, each chunk under ``torch.utils.checkpoint``: its logits exist only while it is
    computed, forward and backward, so memory is ``O(chunk x vocab)`` whatever the batch.
@@ -50,6 +51,10 @@ except ImportError:  # pragma: no cover - older torch: SDPA per segment
 
 #: The attention implementation packed batches run (registered with transformers on import).
 VARLEN = "flywheel_varlen"
+#: On the CPU path, segments up to this long whose padding would at most double the attention's
+#: work attend as the rows of one call; longer ones one at a time (their per-call cost is nothing
+#: beside their attention, and padding them would add to it).
+BATCHED_UP_TO = 512
 #: Config attributes of heads that transform the logits after the linear layer.
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
 
@@ -72,10 +77,28 @@ def varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
                           **_causal_varlen_kwargs(gqa))
         return out[None], None
     bounds = kwargs.get("segment_bounds") or cu.tolist()
+    lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:], strict=False)]
+    if 1 < len(lengths) and max(lengths) <= BATCHED_UP_TO and len(lengths) * max(lengths) ** 2 <= 2 * sum(n * n for n in lengths):
+        return _batched_segments(query, key, value, bounds, max(lengths), scaling, gqa), None
     parts = [F.scaled_dot_product_attention(query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], is_causal=True,
                                             scale=scaling, enable_gqa=gqa)
              for a, b in zip(bounds[:-1], bounds[1:], strict=False)]
     return torch.cat(parts, dim=2).transpose(1, 2), None
+
+
+def _batched_segments(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bounds: list[int], longest: int,
+                      scaling: float | None, gqa: bool) -> torch.Tensor:
+    """Segments of similar lengths as the rows of one causal SDPA call, right-padded to the longest
+    (exact: causal attention never lets a real position see the padding after it); ``[1, T, H, D]``."""
+    device = query.device
+    starts = torch.tensor(bounds[:-1], device=device)
+    lengths = torch.tensor(bounds, device=device).diff()
+    offsets = torch.arange(longest, device=device)
+    index = (starts[:, None] + offsets[None, :]).clamp(max=bounds[-1] - 1)  # [segments, longest]
+    real = offsets[None, :] < lengths[:, None]
+    rows = [x[0][:, index].transpose(0, 1) for x in (query, key, value)]  # [segments, H, longest, D]
+    out = F.scaled_dot_product_attention(*rows, is_causal=True, scale=scaling, enable_gqa=gqa)
+    return out.transpose(1, 2)[real][None]  # the real positions, in order: [1, T, H, D]
 
 
 def _causal_varlen_kwargs(gqa: bool) -> dict[str, Any]:

@@ -109,6 +109,30 @@ def test_on_cuda_in_bf16_packed_rows_give_the_padded_rows_values(model) -> None:
     equal(a[padded.mask > 0], b[packed.mask > 0], tol=5e-2)
 
 
+@pytest.mark.parametrize("lengths", [[9, 7, 8, 9], [40, 3, 2, 5], [17]])  # one call / one per segment / alone
+def test_varlen_attention_equals_attention_over_each_segment(lengths) -> None:
+    """Both CPU paths (similar segments batched as padded rows, others one slice at a time), values
+    and gradients, against plain causal SDPA on each segment alone (GQA: 4 query heads, 2 KV)."""
+    from trainer.head import varlen_attention
+
+    torch.manual_seed(0)
+    T = sum(lengths)
+    q, k, v = (torch.randn(1, h, T, 8, requires_grad=True) for h in (4, 2, 2))
+    bounds = [0, *torch.tensor(lengths).cumsum(0).tolist()]
+    cu = torch.tensor(bounds, dtype=torch.int32)
+    module = torch.nn.Module()
+    mine, _ = varlen_attention(module, q, k, v, None, scaling=0.3, cu_seq_lens_q=cu, max_length_q=max(lengths))
+    expected = torch.cat([torch.nn.functional.scaled_dot_product_attention(
+        q[:, :, a:b], k[:, :, a:b].repeat_interleave(2, 1), v[:, :, a:b].repeat_interleave(2, 1), is_causal=True,
+        scale=0.3) for a, b in zip(bounds[:-1], bounds[1:])], dim=2).transpose(1, 2)
+    assert mine.shape == expected.shape == (1, T, 4, 8)
+    weights = torch.randn_like(mine)
+    grads = torch.autograd.grad((mine * weights).sum(), (q, k, v))
+    for a, b in zip(grads, torch.autograd.grad((expected * weights).sum(), (q, k, v))):
+        assert (a - b).abs().max().item() < 1e-5
+    assert (mine - expected).abs().max().item() < 1e-5
+
+
 def test_no_segment_attends_to_another(model) -> None:
     """Changing every token of the first segment changes nothing in the rest of the packed row."""
     batch = collate(samples(), [0.0] * 5, packed=True)
