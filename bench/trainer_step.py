@@ -19,13 +19,9 @@ downloaded; ``attn_implementation="sdpa"``): about 50M parameters on CPU (hidden
 0.5B with ``--device cuda`` (hidden 1024, 28 layers, 16/8 heads, head_dim 128, intermediate 3072),
 about 7B with ``--shape 7b`` (hidden 4096, 32 layers, 32/8 heads, intermediate 13,824, untied; one
 step of ~32k tokens: with ``--set lora_rank=16`` the check that LoRA trains it on one 80 GB GPU),
-or a local Hugging Face directory (``--model DIR``). The traffic is RL traffic from a product,
-seeded: multi-turn sessions as ``ScoredTrajectory`` samples (a segment of several turns: context
-tokens, mask 0, then the turn's completion, mask 1, behaviour logprobs in [-3, -0.01], neutral
-sampling, ``turn_advantages`` on every turn, so every completion token trains); session lengths
-lognormal (sigma 1.4) around a median of 800 tokens, clipped to [50, 8000], taken at the
-distribution's quantiles so that even the 9 timed sessions of the CPU run span 86 to 7,444 tokens;
-the context makes up most tokens of long sessions. Token ids are uniform in the vocabulary. The JSON reports the distribution.
+or a local Hugging Face directory (``--model DIR``). The traffic is bench/rl_traffic.py's seeded
+multi-turn sessions, lengths around a median of 800 tokens clipped to [50, 8000]: the 9 timed
+sessions of the CPU run span 86 to 7,444 tokens. The JSON reports the distribution.
 
 Each loop runs in its own fresh subprocess (this module's hidden ``_phase`` command), so that peak
 memory compares: on CPU the peak RSS above the interpreter's own (``VmHWM`` at the end minus
@@ -64,12 +60,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
-import random
 import secrets
 import shlex
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -77,10 +70,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from flywheel.events import ScoredTrajectory, Segment, Turn
+from bench.rl_traffic import LINE, make_traffic, traffic_stats, trainable_tokens
+from flywheel.events import ScoredTrajectory
 from flywheel.settings import TrainerSettings
 
-LINE = "bench-step"
 #: Qwen3-shaped models built from a config: about 50M parameters (CPU), about 0.5B (CUDA), tiny (--quick).
 MODELS: dict[str, dict[str, int]] = {
     "cpu": {"hidden_size": 512, "num_hidden_layers": 10, "num_attention_heads": 8, "num_key_value_heads": 4,
@@ -102,84 +95,11 @@ WORKLOADS: dict[str, dict[str, Any]] = {
     "7b": {"steps": 1, "samples_per_step": 15, "warmup_samples": 1, "median_len": 800, "min_len": 50, "max_len": 8000},
     "quick": {"steps": 2, "samples_per_step": 4, "warmup_samples": 2, "median_len": 120, "min_len": 20, "max_len": 300},
 }
-LENGTH_SIGMA = 1.4  # lognormal sigma of session lengths: 9 sessions span ~0.1x to ~9x the median
 #: Dense bf16 peak FLOP/s by device name (first match wins).
 BF16_PEAK = (("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12), ("H200", 989e12), ("A100", 312e12))
 MAX_GRAD_NORM = 1.0
 #: The TrainerSettings fields the reference loop honours too (``--set`` passes the others to flywheel only).
 SHARED = ("micro_batch_tokens", "lr", "weight_decay", "clip_eps", "is_truncation")
-
-
-# --- traffic: pure, seeded ----------------------------------------------------------------------
-
-
-def _split(rng: random.Random, total: int, parts: int, first_weight: float = 1.0) -> list[int]:
-    """``total`` split into ``parts`` positive integers with random (exponential) weights."""
-    weights = [rng.expovariate(1.0) * (first_weight if i == 0 else 1.0) for i in range(parts)]
-    scale = (total - parts) / sum(weights)
-    out = [1 + int(w * scale) for w in weights]
-    out[-1] += total - sum(out)
-    return out
-
-
-def session(rng: random.Random, index: int, vocab: int, length: int, median: int) -> ScoredTrajectory:
-    """One multi-turn session of ``length`` tokens: one segment, or two when a long session was
-    restarted on a compacted context; each segment alternates context (system prompt, user
-    messages, tool output: mask 0) and the turn's completion (mask 1)."""
-    sid = f"bench-{index}"
-    parts = [length]
-    if length >= 0.75 * median and rng.random() < 0.2:
-        first = rng.randint(length // 3, 2 * length // 3)
-        parts = [first, length - first]
-    segments, advantages = [], []
-    for seg_len in parts:
-        turns = min(16, 1 + int(seg_len / (median * rng.uniform(0.375, 1.5))))  # every 300-1200 tokens at median 800
-        share = min(0.7, max(0.05, rng.lognormvariate(math.log(0.3 * (median / seg_len) ** 0.25), 0.3)))
-        completion = max(turns, min(seg_len - turns - 1, round(seg_len * share)))
-        contexts = _split(rng, seg_len - completion, turns, first_weight=3.0)  # the first holds the system prompt
-        completions = _split(rng, completion, turns)
-        tokens: list[int] = []
-        mask: list[int] = []
-        logprobs: list[float] = []
-        turn_list = []
-        for ctx, comp in zip(contexts, completions, strict=True):
-            tokens += [rng.randrange(vocab) for _ in range(ctx + comp)]
-            mask += [0] * ctx + [1] * comp
-            logprobs += [0.0] * ctx + [rng.uniform(-3.0, -0.01) for _ in range(comp)]
-            turn_list.append(Turn(generation_id=f"{sid}-{len(advantages)}", start=len(tokens) - comp, end=len(tokens),
-                                  behaviour_version=0))
-            advantages.append(rng.choice((-1.0, 1.0)) * rng.uniform(0.1, 2.0))
-        segments.append(Segment(tokens=tokens, mask=mask, logprobs=logprobs, turns=turn_list))
-    rewards = [float(a > 0) for a in advantages]
-    return ScoredTrajectory(event_id=sid, tenant="bench", session_id=sid, trajectory_id=sid, model_line=LINE,
-                            segments=segments, turn_rewards=rewards, total_reward=sum(rewards),
-                            reward_spec_version="bench", turn_advantages=advantages)
-
-
-def make_traffic(n: int, *, seed: int, vocab: int, median_len: int, min_len: int, max_len: int) -> list[ScoredTrajectory]:
-    """``n`` sessions, lengths lognormal around ``median_len`` clipped to ``[min_len, max_len]``:
-    the distribution's ``n`` quantiles ``(i + 0.5) / n``, in a seeded random order, so that even a
-    dozen sessions hold the tail (a few random draws rarely do) and every run has the same shape."""
-    rng = random.Random(seed)
-    quantiles = [statistics.NormalDist().inv_cdf((i + 0.5) / n) for i in range(n)]
-    lengths = [min(max_len, max(min_len, round(median_len * math.exp(LENGTH_SIGMA * z)))) for z in quantiles]
-    rng.shuffle(lengths)
-    return [session(rng, i, vocab, length, median_len) for i, length in enumerate(lengths)]
-
-
-def trainable_tokens(sample: ScoredTrajectory) -> int:
-    """Completion tokens of ``sample`` that train (position 0 of a row never does)."""
-    return sum(sum(s.mask) - (s.mask[0] if s.mask else 0) for s in sample.segments)
-
-
-def traffic_stats(samples: list[ScoredTrajectory]) -> dict[str, Any]:
-    lengths = sorted(sum(len(s.tokens) for s in x.segments) for x in samples)
-    total, trainable = sum(lengths), sum(trainable_tokens(x) for x in samples)
-    return {"samples": len(samples), "segments": sum(len(x.segments) for x in samples),
-            "turns": sum(len(s.turns) for x in samples for s in x.segments),
-            "min_len": lengths[0], "median_len": statistics.median(lengths),
-            "p90_len": lengths[min(len(lengths) - 1, math.ceil(0.9 * len(lengths)) - 1)], "max_len": lengths[-1],
-            "total_tokens": total, "trainable_tokens": trainable, "trainable_share": round(trainable / total, 4)}
 
 
 # --- the reference loop -------------------------------------------------------------------------
