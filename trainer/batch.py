@@ -68,9 +68,10 @@ def micro_batches(samples: Sequence[ScoredTrajectory], budget: int, *, packed: b
     """Groups of sample indices for one forward/backward pass each (module docstring); a sample
     larger than ``budget`` goes alone. Every index appears once."""
     if packed:
+        sizes = [sample_tokens(s) for s in samples]
         bins: list[tuple[int, list[int]]] = []  # (tokens, indices)
-        for i in sorted(range(len(samples)), key=lambda i: -sample_tokens(samples[i])):
-            size = sample_tokens(samples[i])
+        for i in sorted(range(len(samples)), key=lambda i: -sizes[i]):
+            size = sizes[i]
             for b, (used, members) in enumerate(bins):
                 if used + size <= budget:
                     bins[b] = (used + size, [*members, i])

@@ -11,29 +11,17 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Iterator
 
 import httpx
 import pytest
 
 from flywheel import lm
 from tests.fixtures.roles import MESSAGES
-from tests.integration.test_streaming import Served, running_stack, stream
+from tests.integration.test_streaming import stream
 
 pytestmark = pytest.mark.integration
 
 CHAT = "/v1/chat/completions"
-
-
-@pytest.fixture(scope="module")
-def served(tmp_path_factory, tiny_model_dir) -> Iterator[Served]:
-    with running_stack(tmp_path_factory.mktemp("choices"), tiny_model_dir) as stack:
-        yield stack
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir):
-    return lm.load_model(tiny_model_dir)[1]
 
 
 def _ids(response: httpx.Response, n: int) -> list[str]:

@@ -12,15 +12,9 @@ import pytest
 
 from flywheel import lm
 from tests.fixtures.roles import MESSAGES
-from tests.integration.test_streaming import Served, faulty_upstream, running_stack
+from tests.integration.test_streaming import faulty_upstream, running_stack
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture(scope="module")
-def served(tmp_path_factory, tiny_model_dir) -> Iterator[Served]:
-    with running_stack(tmp_path_factory.mktemp("sdk"), tiny_model_dir) as stack:
-        yield stack
 
 
 @pytest.fixture(scope="module")

@@ -105,17 +105,6 @@ def running_stack(data_dir: Path, model_dir: Path, *, node: bool = True, **gatew
         assert not role.is_alive() and role.error is None, (role.name, role.error)
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory, tiny_model_dir) -> Iterator[Served]:
-    with running_stack(tmp_path_factory.mktemp("streaming"), tiny_model_dir) as stack:
-        yield stack
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir):
-    return lm.load_model(tiny_model_dir)[1]
-
-
 def sse(response: httpx.Response) -> list[Any]:
     """The data of every event of a streamed response: parsed JSON, or the string ``[DONE]``."""
     out: list[Any] = []
