@@ -3,6 +3,7 @@ mid-update (each checked against what the registry, the controller and the nodes
 
 from __future__ import annotations
 
+import re
 import signal
 import subprocess
 import sys
@@ -15,6 +16,9 @@ import httpx
 from chaos.faults import Chaos
 from chaos.fleet import LOADED, NODES
 from testbed.procs import wait_for
+
+#: A node's refusal, as ``serving.node.updater`` reports it: ``version N: Error: why``.
+REFUSAL = re.compile(r"version (\d+): ")
 
 
 def _damage(data: bytes, mode: str, wrong: bytes | None) -> bytes:
@@ -41,9 +45,13 @@ def fault_bad_delta(c: Chaos) -> None:
     store; the controller resumed (it promotes it, or a newer version whose chain runs through it;
     promoted by hand if the gates hold it back). Every node must refuse it and keep serving the
     previous stable version, and the rollout controller, seeing every node's ``failed_update``, must
-    roll the promoted version back and restore the previous stable (a failed rollout leaves the
-    fleet on the previous stable version). Then the object is repaired, and the line must move on:
-    a later version (whose chain runs through the repaired one) promoted and served by every node."""
+    roll the promoted version back and restore the version the fleet serves (a failed rollout leaves
+    the fleet on the previous stable version; the versions on the chain down to the damaged one go
+    ``rolled_back`` with it, serving/rollout.py step 4). Then the object is repaired and, as an
+    operator would, the newest implicated version no node tried is cleared (``flywheel rollout
+    clear``: once the fleet is ``max_staleness`` versions behind, the trainer publishes nothing new),
+    and the line must move on: a version whose chain runs through the repaired one promoted and
+    served by every node."""
     from flywheel.weights.codec.delta import encode_delta_with_summary
 
     registry = c.registry()
@@ -89,8 +97,9 @@ def fault_bad_delta(c: Chaos) -> None:
             promoted = registry.latest("stable")
         c.note(f"v{promoted.version} is stable; its chain holds the damaged v{target.version}")
 
-        def refused() -> bool:
-            return all(any(f"version {promoted.version}" in d for _, _, d in c.watcher.failed[n]) for n in NODES)
+        def refused() -> bool:  # it, or a later version on its chain (promoted before the watcher saw the first)
+            return all(any((m := REFUSAL.match(d)) is not None and int(m.group(1)) >= promoted.version
+                           and f"version {target.version} (" in d for _, _, d in c.watcher.failed[n]) for n in NODES)
 
         ok_refused = True
         try:
@@ -99,12 +108,14 @@ def fault_bad_delta(c: Chaos) -> None:
             ok_refused = False
         live = {n: (c.watcher.last.get(n) or {}).get("version") for n in NODES}
         reasons = [c.watcher.failed[n][-1][2][:140] if c.watcher.failed[n] else None for n in NODES]
-        c.expect(f"{mode}: every node refuses v{promoted.version} and keeps serving what it served",
+        c.expect(f"{mode}: every node refuses v{promoted.version} (or a later version on its chain), naming the "
+                 f"damaged v{target.version}, and keeps serving what it served",
                  ok_refused and live == serving,
                  f"refused: {ok_refused}; live before {serving}, after {live}; reasons: {reasons}")
         try:  # the controller sees every node's failed_update and restores the previous stable
-            wait_for(f"the controller to roll back v{promoted.version}",
-                     lambda: registry.get(promoted.version).status == "rolled_back", 30.0, 0.2)
+            wait_for(f"the controller to roll back v{promoted.version} and restore what the fleet serves", lambda: (
+                registry.get(promoted.version).status == "rolled_back"  # (its chain first, then the restore)
+                and (s := registry.latest("stable")) is not None and s.version < target.version), 30.0, 0.2)
             restored = registry.latest("stable")
             c.expect(f"{mode}: v{promoted.version} rolled back, the fleet stays on v{previous}",
                      restored is not None and restored.version == previous and
@@ -116,14 +127,35 @@ def fault_bad_delta(c: Chaos) -> None:
                      f"still {registry.get(promoted.version).status}")
         path.write_bytes(original)  # repaired: later versions whose chain runs through it can load
         c.note(f"v{target.version} repaired in the store")
-        try:  # the line is not stuck: a later candidate is promoted and the fleet loads it
-            wait_for(f"the fleet to move past v{promoted.version}", lambda: all(
-                ((c.watcher.last.get(n) or {}).get("version") or -1) > promoted.version for n in NODES), 30.0, 0.2)
+        # The versions the failed loads implicated stay out until cleared, and the trainer stalls once
+        # the fleet is max_staleness versions behind it: as an operator would after the repair, clear
+        # the newest implicated version no node tried (a node does not retry a version it failed).
+        untried = _untried_implicated(registry, target.version)
+        if untried is not None:
+            _operator_clears(c, registry, untried, f"{mode}: repaired")
+        moved_on = f"{mode}: repaired, the line moves on past v{previous}: every node on a version chained on v{target.version}"
+        try:  # the line is not stuck: a version chained on the repaired one is promoted and the fleet loads it
+            wait_for(f"the fleet to move to v{target.version} or later", lambda: all(
+                ((c.watcher.last.get(n) or {}).get("version") or -1) >= target.version for n in NODES), 30.0, 0.2)
             moved = {n: (c.watcher.last.get(n) or {}).get("version") for n in NODES}
-            c.expect(f"{mode}: repaired, the line moves on past v{promoted.version}", True, f"nodes at {moved}")
+            c.expect(moved_on, True, f"nodes at {moved}")
         except TimeoutError:
             moved = {n: (c.watcher.last.get(n) or {}).get("version") for n in NODES}
-            c.expect(f"{mode}: repaired, the line moves on past v{promoted.version}", False, f"nodes at {moved}")
+            c.expect(moved_on, False, f"nodes at {moved}; cleared v{untried}")
+
+
+def _untried_implicated(registry: Any, above: int) -> int | None:
+    """The newest version from ``above`` on, newer than stable, that a failed load rolled back and
+    that was never canary or stable (no node tried to load it), or None."""
+    stable = registry.latest("stable")
+    for info in sorted(registry.versions(), key=lambda v: v.version, reverse=True):
+        if info.version < above or (stable is not None and info.version <= stable.version):
+            break
+        audit = registry.transitions(info.version)
+        if info.status == "rolled_back" and "failed load" in audit[-1]["reason"] and not any(
+                t["to_status"] in ("canary", "stable") for t in audit):
+            return info.version
+    return None
 
 
 #: ``bad_canary``'s rollout: half of new sessions go to a canary, judged after 4 s on 5 generations
@@ -177,9 +209,15 @@ def fault_bad_canary(c: Chaos) -> None:
     the trainer publishes the next delta, which is corrupted in the store; resumed, it makes that
     version (or a newer one whose chain runs through it) a canary, never stable. Every node must
     refuse it (``failed_update``) and keep serving the stable version; the controller must roll the
-    canary back (every fresh node reports it failed, or it served nothing for ``window_s``) with
-    stable untouched; no client is served by a damaged version. Then the object is repaired, and
-    the line must move on: a later version canaried, promoted and served by every node."""
+    canary back (every fresh node reports it failed, or it served nothing for ``window_s`` while
+    nodes report it failed) with stable untouched, and in the same step every candidate on its chain
+    down to the damaged version (serving/rollout.py, step 4: a failed load implicates its chain),
+    each audited as a failed load. Then the object is repaired, and the line must move on: a later
+    version (whose chain runs through the repaired object) canaried, promoted and served by every
+    node, while the damaged version and the canary stay ``rolled_back`` whatever the timing (they
+    are ineligible until an operator clears them); no client is served by a damaged version. Last,
+    once the traffic is over and stable is past them, ``flywheel rollout clear`` re-verifies the
+    damaged version and makes it a candidate again (below stable: never canaried), audited."""
     registry = c.registry()
     root = c.fleet.base.store_path
     rollout = c.fleet.procs["rollout"]
@@ -262,6 +300,9 @@ def fault_bad_canary(c: Chaos) -> None:
                      "stable" not in went and restored is not None and restored.version == previous
                      and on_stable(), f"transitions {went}; stable v{restored.version if restored else None}; "
                      f"nodes at {live()}; reason: {why[:200]}")
+            held = _failed_load_holds(registry, chain)  # the controller moved the chain first, then the canary
+            c.expect(f"bad canary: {_names(chain)} rolled back in the same step, each audited as a failed load",
+                     all(ok for ok, _ in held.values()), "; ".join(f"v{v}: {d}" for v, (_, d) in held.items()))
         except TimeoutError:
             c.expect(f"bad canary: v{canary} rolled back", False, f"still {registry.get(canary).status}")
         path.write_bytes(original)
@@ -271,13 +312,60 @@ def fault_bad_canary(c: Chaos) -> None:
         c.expect("bad canary: a damaged version became a canary", False,
                  "not injected: the traffic window was over (give the scenario more --seconds)")
         return
-    _canary_promoted(c, registry, canary, 45.0, "after the repair")
+    moved_on = _canary_promoted(c, registry, canary, 45.0, "after the repair")
     c.stop.wait()  # the users have stopped: the client log is whole
     assert target is not None
+    held = _failed_load_holds(registry, chain)
+    c.expect(f"bad canary: repaired, {_names(chain)} stay rolled_back (never canary or stable again) until cleared",
+             all(ok for ok, _ in held.values()), "; ".join(f"v{v}: {d}" for v, (_, d) in held.items()))
     damaged = range(target.version, canary + 1)
     served = Counter(r.version for r in list(c.users.log.received.values()) if r.version in damaged)
     c.expect(f"no client served by a damaged version (v{target.version}..v{canary})", not served,
              f"responses naming them: {dict(served) or 'none'}; good canary v{good}")
+    stable = registry.latest("stable")
+    if moved_on is not None and stable is not None and stable.version > canary:  # cleared, it stays below stable
+        _operator_clears(c, registry, target.version, "bad canary: the repaired")
+
+
+def _names(versions: list[int]) -> str:
+    return ", ".join(f"v{v}" for v in sorted(versions))
+
+
+def _failed_load_holds(registry: Any, versions: list[int]) -> dict[int, tuple[bool, str]]:
+    """For each of ``versions``: rolled back as a failed load (the controller's audited reason, see
+    serving/rollout.py step 4) and neither canary nor stable since; with what the audit says."""
+    out: dict[int, tuple[bool, str]] = {}
+    for version in versions:
+        audit = registry.transitions(version)
+        first = next((i for i, t in enumerate(audit) if t["to_status"] == "rolled_back"), None)
+        if first is None:
+            out[version] = (False, f"{registry.get(version).status}, never rolled back")
+            continue
+        since = [t["to_status"] for t in audit[first:]]
+        why = audit[first]["reason"]
+        ok = registry.get(version).status == "rolled_back" and "failed load" in why and not (
+            {"canary", "stable", "candidate"} & set(since))
+        out[version] = (ok, f"{registry.get(version).status}; since the rollback {since}; reason: {why[:140]}")
+    return out
+
+
+def _operator_clears(c: Chaos, registry: Any, version: int, what: str) -> None:
+    """``flywheel rollout clear V``, as an operator would once the object is repaired: re-verified
+    end to end, back to ``candidate`` (the controller may have moved it on since), audited with who
+    cleared it."""
+    config = c.fleet.procs["rollout"].config
+    result = subprocess.run([sys.executable, "-m", "launch.cli", "--config", str(config), "rollout", "clear",
+                             str(version), "--reason", "chaos: object repaired"],
+                            capture_output=True, text=True, timeout=120)
+    audit = registry.transitions(version)
+    cleared = next((t for t in audit if t["from_status"] == "rolled_back" and t["to_status"] == "candidate"), None)
+    said = " | ".join(line for line in (result.stdout + result.stderr).splitlines() if line.strip())
+    c.note(f"flywheel rollout clear v{version}: exit {result.returncode}: {said[:300]}")
+    c.expect(f"{what}: the operator clears v{version}: re-verified, a candidate again, audited",
+             result.returncode == 0 and cleared is not None and cleared["reason"].startswith("cleared by ")
+             and "re-verified end to end" in cleared["reason"],
+             f"exit {result.returncode}; status {registry.get(version).status}; "
+             f"audit: {(cleared or audit[-1])['reason'][:200]}")
 
 
 def fault_node_mid_update(c: Chaos) -> None:

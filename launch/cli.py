@@ -130,18 +130,19 @@ def build_parser() -> argparse.ArgumentParser:
         if role == "gateway":
             p.add_argument("--upstream", help="OpenAI-compatible base URL to front (default: the local node)")
         if role == "rollout":  # no action: the controller loop; serving/rollout_cli.py does the others
-            p.add_argument("action", nargs="?", choices=["promote", "rollback", "pin", "unpin", "status"],
+            p.add_argument("action", nargs="?", choices=["promote", "rollback", "pin", "unpin", "clear", "status"],
                            help="promote V: make V stable; rollback V: roll back a canary, or the stable version "
                                 "(restores the newest earlier stable one); pin V: make V stable and freeze "
-                                "automatic rollout (ends a running canary); unpin: resume it; status: versions, "
+                                "automatic rollout (ends a running canary); unpin: resume it; clear V: re-verify "
+                                "a rolled-back version end to end and make it a candidate again; status: versions, "
                                 "the pin and the next decision")
             p.add_argument("version", nargs="?", type=_version_ref,
-                           help="promote / rollback / pin: the version of model.line (V, vV or LINE:V)")
+                           help="promote / rollback / pin / clear: the version of model.line (V, vV or LINE:V)")
             p.add_argument("--reason", type=_text_arg,
-                           help="promote / rollback / pin / unpin: added to the audited reason")
+                           help="promote / rollback / pin / unpin / clear: added to the audited reason")
             p.add_argument("--force", action="store_true",
-                           help="promote / rollback on a pinned line: do it anyway (the pin follows the new "
-                                "stable version)")
+                           help="promote / rollback / clear on a pinned line: do it anyway (a promote or rollback "
+                                "moves the pin to the new stable version; a clear leaves it)")
             p.add_argument("--json", action="store_true", help="status: print JSON")
         if role == "rewards":  # no action: the worker; rewards/rescore.py does the other two
             p.add_argument("action", nargs="?", choices=["rescore", "report"],

@@ -40,17 +40,33 @@ Every ``rollout.interval_s`` :func:`step` reads the registry and does at most on
 
 3. **In either case, the fleet first**: a canary or stable version that no node can load (every node with
    a fresh database heartbeat reports ``failed_update`` for it, none serves it: :func:`unloadable`)
-   is ``rolled_back`` at once; for stable, the previous stable version is restored first, as
-   :func:`~serving.rollout_actions.manual_rollback` does. The nodes never left the version they served, so this puts the
-   registry back in line with the fleet, and new sessions stop being sent to a version nobody has.
+   is ``rolled_back`` at once; for stable, the version every fresh node still serves is restored
+   first (:func:`~serving.rollout_policy.restore_after_failed_load`; without one, the previous
+   stable version, as :func:`~serving.rollout_actions.manual_rollback` does). The nodes never left
+   the version they served, so this puts the registry back in line with the fleet, and new
+   sessions stop being sent to a version nobody has.
    Until both versions served ``min_samples`` generations: wait. Then any test worse (or the
    held-out gate failing now that the canary served traffic): ``rolled_back`` at once (the
    repeated looks make false rollbacks likelier, never false promotions). Otherwise, once
    ``window_s`` has passed: ``stable`` (the registry retires the old stable).
 
+4. **A failed load implicates its chain.** When the controller rolls a version back because nodes
+   failed to load it (step 3; or a canary that served nothing for ``window_s`` while some fresh
+   node reports ``failed_update`` for it), the versions on its chain since the last version known
+   good (:func:`~serving.rollout_policy.implicated`: newer than stable, or than the version the
+   fleet serves and a rollback of stable restores; ``candidate``, or ``retired`` when it was stable
+   on paper only) are moved to ``rolled_back`` in the same tick, before the version itself (so a
+   crash in between leaves the version to roll back at the next tick, never one of them eligible),
+   each audited with a reason naming the failed load. Any of them may be the damaged object, and which one is newest
+   when the controller next looks is a matter of timing: so none of them is eligible again until an
+   operator clears it (``flywheel rollout clear V``, :func:`~serving.rollout_actions.manual_clear`:
+   rebuilt from its anchor with every hash on the chain checked, then back to ``candidate``,
+   audited with who cleared it). Versions published later are not implicated: a delta chained on a
+   repaired object loads, and one chained on a still-damaged object fails and is rolled back in turn.
+
 Every decision is logged with its figures, every status change carries them (short) as the
 registry's audited reason and is announced as a :class:`~flywheel.events.VersionEvent` on the
-``versions`` topic. The operator's actions (``flywheel rollout promote|rollback|pin|unpin``, the
+``versions`` topic. The operator's actions (``flywheel rollout promote|rollback|pin|unpin|clear``, the
 gateway's admin routes) are serving/rollout_actions.py; the command is serving/rollout_cli.py.
 
 **Pinned lines.** ``flywheel rollout pin V`` (:func:`~serving.rollout_actions.manual_pin`, :meth:`Registry.pin`) makes V
@@ -68,9 +84,9 @@ compare-and-set), never in a process.
 
 Invariants: the statistics and the decisions are pure functions of plain numbers
 (``serving.rollout_policy``); the IO around them is reads of the registry and the database and
-:meth:`Registry.set_status`; the registry is the only state; at most one status change per tick (a
-rollback of stable makes two: the
-restored version first, so a stable version always exists); a decision is applied only while the
+:meth:`Registry.set_status`; the registry is the only state; at most one decision per tick, one
+status change except for a rollback (of stable: the restored version first, so a stable version
+always exists; after a failed load: the implicated candidates first); a decision is applied only while the
 version still has the status it was decided on (``Registry.set_status(..., expect=)``, a
 compare-and-set under the line's lock).
 """
@@ -89,8 +105,9 @@ from flywheel.events import VersionEvent
 from flywheel.health import Beat
 from flywheel.settings import RolloutSettings, Settings
 from flywheel.weights.registry import PinInfo, StatusChanged
-from serving.rollout_actions import RolloutError, manual_rollback, node_waker, pin_figures, version_event
+from serving.rollout_actions import RolloutError, node_waker, pin_figures, version_event
 from serving.rollout_policy import (
+    IMPLICABLE,
     LATENCY_SAMPLE_CAP,
     NEGATIVE_SIGNALS,
     GateResult,
@@ -98,8 +115,10 @@ from serving.rollout_policy import (
     VersionSample,
     choose_candidate,
     held_out_gate,
+    implicated,
     judge_canary,
     parity_gate,
+    restore_after_failed_load,
 )
 
 log = logging.getLogger(__name__)
@@ -163,11 +182,10 @@ def version_sample(db: Any, model_line: str, version: int, since: datetime) -> V
     return VersionSample(int(n), int(negative), int(errors), tuple(float(v) for v in latencies if v is not None))
 
 
-def unloadable(db: Any, model_line: str, version: int, now: datetime) -> str | None:
-    """Why no node can serve ``version``: every node of the line whose database heartbeat is
-    younger than :data:`NODE_FRESH_S` reports ``failed_update`` for it (its detail names the
-    version, as ``serving.node`` writes it) and none serves it. None while some node serves it, is
-    still loading it or failed on something else, or no node reports at all."""
+def failed_loads(db: Any, model_line: str, version: int, now: datetime) -> tuple[int, dict[str, str]]:
+    """How many nodes of the line have a database heartbeat younger than :data:`NODE_FRESH_S`, and
+    why each of those that failed to load ``version`` did: ``failed_update`` with a detail that names
+    the version (as ``serving.node`` writes it) and not serving it. ``{node_id: why}``, sorted."""
     from sqlalchemy import select
 
     from flywheel.db.models import Node
@@ -175,10 +193,40 @@ def unloadable(db: Any, model_line: str, version: int, now: datetime) -> str | N
     nodes = [n for n in db.scalars(select(Node).where(Node.model_line == model_line))
              if (now - _utc(n.last_heartbeat)).total_seconds() <= NODE_FRESH_S]
     prefix = f"version {version}:"
-    if not nodes or not all(n.status == "failed_update" and n.detail.startswith(prefix)
-                            and n.live_version != version for n in nodes):
+    failed = {n.node_id: n.detail[len(prefix):].strip()[:200] for n in sorted(nodes, key=lambda n: n.node_id)
+              if n.status == "failed_update" and n.detail.startswith(prefix) and n.live_version != version}
+    return len(nodes), failed
+
+
+def fleet_version(db: Any, model_line: str, now: datetime) -> int | None:
+    """The version every node of the line with a fresh database heartbeat serves live, or None
+    when they differ or none reports one."""
+    from sqlalchemy import select
+
+    from flywheel.db.models import Node
+
+    live = {n.live_version for n in db.scalars(select(Node).where(Node.model_line == model_line))
+            if (now - _utc(n.last_heartbeat)).total_seconds() <= NODE_FRESH_S}
+    return next(iter(live)) if len(live) == 1 else None
+
+
+def unloadable(db: Any, model_line: str, version: int, now: datetime) -> str | None:
+    """Why no node can serve ``version``: every fresh node of the line failed to load it
+    (:func:`failed_loads`). None while some node serves it, is still loading it or failed on
+    something else, or no node reports at all."""
+    fresh, failed = failed_loads(db, model_line, version, now)
+    if not fresh or len(failed) != fresh:
         return None
-    return "; ".join(f"{n.node_id}: {n.detail[len(prefix):].strip()[:200]}" for n in sorted(nodes, key=lambda n: n.node_id))
+    return "; ".join(f"{node}: {why}" for node, why in failed.items())
+
+
+def _implicating(versions: Sequence[Any], version: int, floor: int | None) -> tuple[dict[str, Any], str]:
+    """The figures and the reason's tail of a rollback after a failed load of ``version``."""
+    chain = implicated(versions, version, floor)
+    since = f" since v{floor}" if floor is not None else ""
+    tail = (f"; the versions on its chain{since}, {', '.join(f'v{v}' for v in chain)}, are rolled back with it "
+            f"(ineligible until `flywheel rollout clear V`)" if chain else "")
+    return {"failed_load": True, "implicated": chain}, tail
 
 
 def _utc(value: datetime) -> datetime:
@@ -219,8 +267,17 @@ def evaluate(registry: Any, sessions: Any, policy: RolloutSettings, now: datetim
             continue
         with sessions() as db:  # its own session: SQLite's write lock must not outlive the read
             why = unloadable(db, registry.model_line, version, now)
+            serving = fleet_version(db, registry.model_line, now) if why is not None else None
         if why is not None:
-            return Decision("rollback", version, f"no node can load {status} v{version}: {why}", {}, status)
+            if status == "canary":
+                figures, tail = _implicating(versions, version, stable)
+                return Decision("rollback", version, f"failed load: no node can load canary v{version}: {why}{tail}",
+                                figures, status)
+            restore = restore_after_failed_load(versions, registry.transitions(), version, serving)
+            figures, tail = _implicating(versions, version, restore)
+            back = f"; v{restore} restored" if restore is not None else ""
+            return Decision("rollback", version, f"failed load: no node can load stable v{version}: {why}{back}{tail}",
+                            {**figures, "restore": restore}, status)
     with sessions() as db:
         gate = _gates(registry, db, stable, policy)
         if canary is None:
@@ -243,6 +300,13 @@ def evaluate(registry: Any, sessions: Any, policy: RolloutSettings, now: datetim
         verdict = judge_canary(version_sample(db, registry.model_line, canary.version, since),
                                version_sample(db, registry.model_line, stable, since),
                                (now - since).total_seconds(), policy)
+        unserved = verdict.action == "rollback" and verdict.figures["canary"]["generations"] == 0
+        _, refused = failed_loads(db, registry.model_line, canary.version, now) if unserved else (0, {})
+    if refused:  # it served nothing and nodes failed to load it: a failed load too (step 4)
+        figures, tail = _implicating(versions, canary.version, stable)
+        why = "; ".join(f"{node}: {reason}" for node, reason in refused.items())
+        return Decision("rollback", canary.version, f"failed load: canary v{canary.version} vs v{stable}: "
+                        f"{verdict.reason}; failed to load it: {why}{tail}", {**verdict.figures, **figures}, "canary")
     if failed:  # the held-out gate, now that the canary served traffic (or a stricter policy)
         return Decision("rollback", canary.version, "gate failed: " + "; ".join(r.reason for r in failed),
                         verdict.figures, "canary")
@@ -257,10 +321,13 @@ def step(registry: Any, sessions: Any, policy: RolloutSettings,
          notify: Callable[[VersionEvent], None] | None = None, now: datetime | None = None) -> Decision:
     """Decide (:func:`evaluate`), log the decision with its figures, apply and announce it."""
     decision = evaluate(registry, sessions, policy, now)
-    if decision.changed and decision.was == "stable":  # no node can load it: restore the previous one
+    if decision.action == "rollback" and decision.figures.get("implicated"):
+        roll_back_implicated(registry, decision, notify)
+    if decision.changed and decision.was == "stable":  # no node can load it: restore what the fleet serves
         assert decision.version is not None
         try:
-            changed = manual_rollback(registry, decision.version, f"rollout: {decision.reason}", by="rollout")
+            changed = roll_back_stable(registry, decision.version, decision.figures.get("restore"),
+                                       f"rollout: {decision.reason}")
         except RolloutError as exc:  # nothing to restore, or an operator acted meanwhile
             log.error("rollout: cannot roll back stable v%d: %s", decision.version, exc)
             return Decision("none", decision.version, str(exc))
@@ -284,6 +351,47 @@ def step(registry: Any, sessions: Any, policy: RolloutSettings,
         log.log(level, "rollout: %s%s: %s", decision.action,
                 f" v{decision.version}" if decision.version is not None else "", decision.reason)
     return decision
+
+
+def roll_back_stable(registry: Any, version: int, restore: int | None, reason: str) -> list[int]:
+    """Make ``restore`` stable (which retires ``version``), then ``version`` ``rolled_back``; the
+    versions changed. :class:`RolloutError` when ``version`` is no longer stable, there is nothing to
+    restore, or someone moved either meanwhile (or pinned the line)."""
+    if registry.get(version).status != "stable":
+        raise RolloutError(f"v{version} is no longer stable")
+    if restore is None:
+        raise RolloutError(f"no earlier stable version (not rolled back or collected) to restore instead of v{version}")
+    try:
+        registry.set_status(restore, "stable", reason=f"rollout: restored instead of v{version}: {reason}")
+        registry.set_status(version, "rolled_back", reason=reason, expect="retired")
+    except StatusChanged as exc:
+        raise RolloutError(f"v{version} changed meanwhile: {exc}") from None
+    return [restore, version]
+
+
+def roll_back_implicated(registry: Any, decision: Decision,
+                         notify: Callable[[VersionEvent], None] | None = None) -> list[int]:
+    """Move the versions a failed load implicates (``decision.figures["implicated"]``) to
+    ``rolled_back``, each only while it still has a status a failed load implicates
+    (:data:`~serving.rollout_policy.IMPLICABLE`), audited with the failed load; returns them."""
+    moved: list[int] = []
+    for version in decision.figures["implicated"]:
+        reason = (f"rollout: implicated in a failed load: the chain of {decision.was} v{decision.version} runs "
+                  f"through v{version}; ineligible until `flywheel rollout clear v{version}` re-verifies it; "
+                  f"{decision.reason}")
+        was = registry.get(version).status
+        if was not in IMPLICABLE:
+            continue
+        try:
+            registry.set_status(version, "rolled_back", reason=reason, expect=was)
+        except StatusChanged as exc:  # an operator moved it (or pinned the line) meanwhile
+            log.warning("rollout: leaving v%d implicated by v%s's failed load: %s", version, decision.version, exc)
+            continue
+        log.warning("rollout: v%d -> rolled_back: implicated in the failed load of v%s", version, decision.version)
+        moved.append(version)
+        if notify is not None:
+            notify(version_event(registry.get(version)))
+    return moved
 
 
 def tick(registry: Any, notify: Callable[[VersionEvent], None] | None = None, rollout: RolloutSettings | None = None,

@@ -1,9 +1,10 @@
 """Operator actions on a line's versions, and how the fleet hears of a change.
 
-:func:`manual_promote`, :func:`manual_rollback`, :func:`manual_pin` and :func:`manual_unpin` are what
-``flywheel rollout promote|rollback|pin|unpin`` (serving/rollout_cli.py) and the gateway's admin
-routes do; the controller (serving/rollout.py) rolls back with :func:`manual_rollback` too. A pinned
-line refuses promote and rollback unless forced (the rules: serving/rollout.py's docstring).
+:func:`manual_promote`, :func:`manual_rollback`, :func:`manual_pin`, :func:`manual_unpin` and
+:func:`manual_clear` are what ``flywheel rollout promote|rollback|pin|unpin|clear``
+(serving/rollout_cli.py) and the gateway's admin routes do (the controller, serving/rollout.py,
+rolls back a stable version no node can load itself, restoring what the fleet serves). A pinned line
+refuses promote, rollback and clear unless forced (the rules: serving/rollout.py's docstring).
 :func:`announce` puts new statuses on the versions topic; :func:`node_waker` is the registry's hook
 that wakes the nodes after a change (best effort: they poll the registry anyway).
 """
@@ -16,6 +17,7 @@ from typing import Any
 
 from flywheel.events import VersionEvent
 from flywheel.settings import Settings
+from flywheel.weights.codec.state import state_sha256
 from flywheel.weights.registry import LinePinned, PinInfo, StatusChanged, VersionNotFound, WeightsError
 from serving.rollout_policy import previous_stable
 
@@ -34,10 +36,16 @@ class Pinned(RolloutError):
     code = "line_pinned"
 
 
-def _refuse_pinned(pin: PinInfo, action: str) -> Pinned:
+class VerificationFailed(RolloutError):
+    """A version to clear does not rebuild to its recorded hash (it stays ``rolled_back``)."""
+
+    code = "verification_failed"
+
+
+def _refuse_pinned(pin: PinInfo, action: str, forced: str = "and moves the pin") -> Pinned:
     return Pinned(f"model line {pin.model_line!r} is pinned to {pin.describe()}; {action} is refused while pinned: "
                   f"`flywheel rollout unpin` resumes rollout, `flywheel rollout pin V` moves the pin, "
-                  f"--force {action}s anyway and moves the pin")
+                  f"--force {action}s anyway {forced}")
 
 
 def manual_promote(registry: Any, version: int, reason: str = "", *, force: bool = False,
@@ -95,6 +103,50 @@ def manual_rollback(registry: Any, version: int, reason: str = "", *, force: boo
     except StatusChanged as exc:
         raise RolloutError(f"v{version} changed meanwhile: {exc}") from None
     return [restore, version]
+
+
+def chain_of(versions: Sequence[Any], version: int) -> list[Any]:
+    """``version``'s chain as a load walks it: its full anchor first, then each delta up to it."""
+    by_number = {v.version: v for v in versions}
+    chain = [by_number[version]]
+    while chain[-1].kind == "delta" and chain[-1].parent in by_number and chain[-1].parent < chain[-1].version:
+        chain.append(by_number[chain[-1].parent])
+    return chain[::-1]
+
+
+def manual_clear(registry: Any, version: int, reason: str = "", *, force: bool = False,
+                 by: str = "operator") -> list[int]:
+    """Clear a ``rolled_back`` version (one a failed load implicated, or any other): re-verify it
+    end to end (:meth:`Registry.load` rebuilds it from its full anchor and checks every hash on the
+    chain; the result is hashed once more against its row), then move it back to ``candidate``,
+    audited with who cleared it and that it was re-verified. A failed re-verification leaves it
+    ``rolled_back`` (:class:`VerificationFailed`, saying why). The controller canaries it again only
+    while it is newer than stable. On a pinned line refused (:class:`Pinned`) unless ``force``
+    (the pin stays where it is)."""
+    info = registry.get(version)  # VersionNotFound for an unknown version
+    if info.status != "rolled_back":
+        raise RolloutError(f"v{version} is {info.status}; only a rolled-back version can be cleared")
+    pin = registry.pinned()
+    if pin is not None and not force:
+        raise _refuse_pinned(pin, "clear", "(the pin stays)")
+    chain = " -> ".join(f"v{v.version}" + (" (full)" if v.kind == "full" else "")
+                        for v in chain_of(registry.versions(), version))
+    try:
+        got = state_sha256(registry.load(version))
+    except WeightsError as exc:
+        raise VerificationFailed(f"v{version} stays rolled_back: re-verification of {chain} failed: {exc}") from None
+    if got != info.sha256:  # pragma: no cover - Registry.load's own invariant
+        raise VerificationFailed(f"v{version} stays rolled_back: it rebuilds to {got[:12]}, expected {info.sha256[:12]}")
+    note = f": {reason}" if reason else ""
+    why = (f"cleared by {by}: re-verified end to end ({chain}, every hash checked, sha256 {got[:12]}); "
+           f"was rolled_back{note}")
+    try:
+        registry.set_status(version, "candidate", reason=why, expect="rolled_back", override_pin=force)
+    except LinePinned as exc:  # pinned since we looked
+        raise _refuse_pinned(exc.pin, "clear", "(the pin stays)") from None
+    except StatusChanged as exc:
+        raise RolloutError(f"v{version} changed meanwhile: {exc}") from None
+    return [version]
 
 
 def _pin(registry: Any, version: int, by: str, reason: str) -> tuple[PinInfo, list[int]]:

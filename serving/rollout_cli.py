@@ -1,4 +1,4 @@
-"""``flywheel rollout promote V | rollback V | pin V | unpin | status``: the operator's command."""
+"""``flywheel rollout promote V | rollback V | pin V | unpin | clear V | status``: the operator's command."""
 
 from __future__ import annotations
 
@@ -9,7 +9,15 @@ from typing import Any
 from flywheel.settings import Settings
 from flywheel.weights.registry import VersionNotFound
 from serving.rollout import open_line, status_report
-from serving.rollout_actions import RolloutError, announce, manual_pin, manual_promote, manual_rollback, manual_unpin
+from serving.rollout_actions import (
+    RolloutError,
+    announce,
+    manual_clear,
+    manual_pin,
+    manual_promote,
+    manual_rollback,
+    manual_unpin,
+)
 
 
 def operator() -> str:
@@ -37,12 +45,12 @@ def other_lines_with(registry: Any, version: int) -> list[str]:
 
 
 def main(args: argparse.Namespace, settings: Settings) -> int:
-    """``flywheel rollout promote V | rollback V | pin V | unpin | status``.
+    """``flywheel rollout promote V | rollback V | pin V | unpin | clear V | status``.
 
     ``V`` is a version of ``model.line``, or ``LINE:V`` (refused unless LINE is ``model.line``).
     Exit status: 0 done; 1 refused (unknown version, another line's version, collected, weights that
-    do not rebuild to their hash, a pinned line without ``--force``, unpin of an unpinned line);
-    2 usage (no version named).
+    do not rebuild to their hash, a pinned line without ``--force``, unpin of an unpinned line, clear
+    of a version that is not rolled back or fails its re-verification); 2 usage (no version named).
     """
     import sys
 
@@ -89,6 +97,8 @@ def main(args: argparse.Namespace, settings: Settings) -> int:
         try:
             if args.action == "pin":
                 _, changed = manual_pin(registry, version, by, args.reason or "")
+            elif args.action == "clear":
+                changed = manual_clear(registry, version, args.reason or "", force=args.force, by=by)
             else:
                 act = manual_promote if args.action == "promote" else manual_rollback
                 changed = act(registry, version, args.reason or "", force=args.force, by=by)
@@ -102,6 +112,13 @@ def main(args: argparse.Namespace, settings: Settings) -> int:
         announce(settings, [registry.get(v) for v in changed])
         for v in changed:
             print(f"v{v}: {registry.get(v).status}")
+        if args.action == "clear":
+            print(next(t["reason"] for t in reversed(registry.transitions(version))
+                       if (t["from_status"], t["to_status"]) == ("rolled_back", "candidate")))
+            stable = registry.latest("stable")
+            if stable is not None and stable.version > version:
+                print(f"v{version} is older than stable v{stable.version}: the controller will not canary it "
+                      f"(`flywheel rollout promote v{version}` would)")
         held = registry.pinned()
         if held is not None:
             print(f"pinned to {held.describe()}; automatic rollout frozen until `flywheel rollout unpin`")

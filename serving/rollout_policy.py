@@ -1,6 +1,6 @@
 """The rollout controller's policy, pure: the statistics, the gates and the canary verdict as
-functions of plain numbers (``serving.rollout`` reads the registry and the database, applies them,
-and documents the tests and their reading).
+functions of plain numbers, and the versions a failed load implicates (``serving.rollout`` reads the
+registry and the database, applies them, and documents the tests, their reading and the rule).
 """
 
 from __future__ import annotations
@@ -223,6 +223,47 @@ def choose_candidate(versions: Sequence[Any], gate: Callable[[Any], list[GateRes
         if all(r.ok for r in results):
             return candidate.version, seen
     return None, seen
+
+
+#: The statuses a failed load moves to ``rolled_back`` when it implicates them (:func:`implicated`).
+IMPLICABLE = ("candidate", "retired")
+
+
+def implicated(versions: Sequence[Any], version: int, floor: int | None) -> list[int]:
+    """The versions a failed load of ``version`` implicates, newest first: those on its chain
+    (parent links of its deltas) newer than ``floor``, the last version known good (the stable
+    version a canary was compared with, or the one the fleet still serves after a stable version
+    failed), that are ``candidate`` or ``retired`` (stable on paper only: the fleet is on ``floor``,
+    below it). Without a floor the walk stops at a version that is or was stable. ``version``
+    itself is not in it; versions with another status (an earlier rollback) are walked past.
+    ``versions`` have ``version``, ``status``, ``kind`` and ``parent``."""
+    by_number = {v.version: v for v in versions}
+    found: list[int] = []
+    current = by_number.get(version)
+    while current is not None and current.kind == "delta" and current.parent is not None:
+        if current.parent >= current.version:  # not a chain (the registry refuses to load it anyway)
+            break
+        current = by_number.get(current.parent)
+        if current is None or (current.version <= floor if floor is not None
+                               else current.status in ("stable", "retired")):
+            break
+        if current.status in IMPLICABLE:
+            found.append(current.version)
+    return found
+
+
+def restore_after_failed_load(versions: Sequence[Any], transitions: Sequence[dict[str, Any]], failed: int,
+                              serving: int | None) -> int | None:
+    """The version a rollback of stable ``failed`` restores when no node could load it: the one
+    every fresh node still serves (``serving``: known good, and what the fleet never left), unless
+    that is ``failed`` itself, unknown, rolled back or collected; otherwise :func:`previous_stable`.
+    (Two promotions before the nodes report make the previous stable version one no node ever
+    loaded, and whose chain may hold the same damaged object.)"""
+    by_number = {v.version: v for v in versions}
+    if (serving is not None and serving != failed and serving in by_number
+            and by_number[serving].status not in ("rolled_back", "collected")):
+        return serving
+    return previous_stable(versions, transitions, failed)
 
 
 def previous_stable(versions: Sequence[Any], transitions: Sequence[dict[str, Any]], current: int) -> int | None:

@@ -2,16 +2,18 @@
 
 ``GET /admin/capture``; ``GET /admin/pins`` and ``PUT /admin/pins/{tenant}`` (``{"version": N}``
 pins a tenant, ``{"version": null}`` clears it); ``GET /admin/versions``; ``POST
-/admin/versions/{v}/promote``, ``.../rollback`` and ``.../pin``, and ``POST /admin/unpin``, the same
-as ``flywheel rollout status|promote|rollback|pin|unpin`` (:mod:`serving.rollout` and
-:mod:`serving.rollout_actions`, which only this gateway module imports), with an optional JSON
-body ``{"reason": ..., "force": ...}``, where ``force`` only applies to promote and rollback.
+/admin/versions/{v}/promote``, ``.../rollback``, ``.../pin`` and ``.../clear``, and ``POST
+/admin/unpin``, the same as ``flywheel rollout status|promote|rollback|pin|clear|unpin``
+(:mod:`serving.rollout` and :mod:`serving.rollout_actions`, which only this gateway module imports),
+with an optional JSON body ``{"reason": ..., "force": ...}``, where ``force`` only applies to
+promote, rollback and clear.
 
 Invariants:
 - Every route needs an admin key (auth on) or a loopback caller (auth off)
   (:meth:`~serving.gateway.auth.Access.admin`); the audit log names the admin key id.
 - A refused rollout action is a 409 whose code says why (``line_pinned``, ``not_pinned``,
-  ``rollout_conflict``); a version not in the registry is a 404 ``version_not_found``.
+  ``rollout_conflict``, ``verification_failed`` for a clear whose weights do not rebuild to their
+  hash); a version not in the registry is a 404 ``version_not_found``.
 - A version change stands even when the bus cannot announce it (nodes follow the registry); the
   gateway's own routing table is refreshed before the answer.
 
@@ -56,12 +58,13 @@ class PinRequest(BaseModel):
 
 
 class RolloutActionRequest(BaseModel):
-    """The optional body of ``POST /admin/versions/{v}/promote|rollback``."""
+    """The optional body of ``POST /admin/versions/{v}/promote|rollback|clear``."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
     #: Added to the audited reason.
     reason: str = Field("", max_length=1000, pattern=r"^[^\x00]*$")
-    #: On a pinned line: act anyway; the pin follows the new stable version (else 409 ``line_pinned``).
+    #: On a pinned line: act anyway (else 409 ``line_pinned``); after a promote or rollback the pin
+    #: follows the new stable version, a clear leaves it.
     force: bool = False
 
 
@@ -100,12 +103,13 @@ async def admin_versions(request: Request) -> dict[str, Any]:
 
 @router.post("/admin/versions/{version}/{action}", openapi_extra=optional_body_schema(RolloutActionRequest))
 async def admin_version_action(version: int, action: str, request: Request) -> dict[str, Any]:
-    """``promote``, ``rollback`` or ``pin`` a version, exactly as ``flywheel rollout promote|rollback|pin``."""
+    """``promote``, ``rollback``, ``pin`` or ``clear`` a version, exactly as ``flywheel rollout
+    promote|rollback|pin|clear``."""
     gateway = services(request)
     settings = gateway.settings
     who = await gateway.access.admin(request)
-    if action not in ("promote", "rollback", "pin"):
-        raise APIError(404, f"unknown version action {action!r}; promote, rollback or pin", code="not_found")
+    if action not in ("promote", "rollback", "pin", "clear"):
+        raise APIError(404, f"unknown version action {action!r}; promote, rollback, pin or clear", code="not_found")
     body = await read_optional_body(request, LinePinRequest if action == "pin" else RolloutActionRequest,
                                     settings.gateway.body_read_timeout_s)
     if not 0 <= version < 2**31:
@@ -119,8 +123,9 @@ async def admin_version_action(version: int, action: str, request: Request) -> d
         if isinstance(body, LinePinRequest):
             pin, changed = actions().manual_pin(registry, version, who, body.reason)
         else:
-            act = actions().manual_promote if action == "promote" else actions().manual_rollback
-            note = f"{who}: {body.reason}" if body.reason else who
+            act = {"promote": actions().manual_promote, "rollback": actions().manual_rollback,
+                   "clear": actions().manual_clear}[action]
+            note = body.reason if action == "clear" else f"{who}: {body.reason}" if body.reason else who
             changed = act(registry, version, note, force=body.force, by=who)
         infos = [registry.get(v) for v in changed]
         try:

@@ -23,7 +23,16 @@ from flywheel.weights.registry import Registry
 from flywheel.weights.store import FolderStore
 from launch.cli import build_parser, dispatch
 from serving.rollout import NODE_FRESH_S, step, tick
-from serving.rollout_actions import Pinned, RolloutError, manual_pin, manual_promote, manual_rollback, manual_unpin
+from serving.rollout_actions import (
+    Pinned,
+    RolloutError,
+    VerificationFailed,
+    manual_clear,
+    manual_pin,
+    manual_promote,
+    manual_rollback,
+    manual_unpin,
+)
 from tests.integration.test_registry import make_state, train_step
 
 pytestmark = pytest.mark.integration
@@ -194,12 +203,16 @@ def test_a_stable_version_no_node_can_load_is_rolled_back_and_the_previous_one_r
     d = step(registry, sessions, direct, events.append)
     assert (d.action, d.version, d.was) == ("rollback", v2, "stable")
     assert "node-a: WeightsError" in d.reason and "node-b: WeightsError" in d.reason
-    assert statuses(registry) == {0: "stable", v1: "candidate", v2: "rolled_back"}  # v0 was the last stable
-    assert [(e.version, e.status) for e in events] == [(0, "stable"), (v2, "rolled_back")]
-    assert "no node can load stable" in registry.transitions(v2)[-1]["reason"]
-    # The nodes serve v0 again: nothing more to undo; v1 is the next candidate as usual.
+    # v0 was the last stable; v1, skipped on the way to v2, is on v2's chain: implicated too.
+    assert statuses(registry) == {0: "stable", v1: "rolled_back", v2: "rolled_back"}
+    assert [(e.version, e.status) for e in events] == [(v1, "rolled_back"), (0, "stable"), (v2, "rolled_back")]
+    assert "failed load: no node can load stable" in registry.transitions(v2)[-1]["reason"]
+    assert f"the chain of stable v{v2} runs through v{v1}" in registry.transitions(v1)[-1]["reason"]
+    # The nodes serve v0 again: nothing more to undo; the next version published is the next candidate.
     report(sessions, "node-a", 0, "serving", "")
-    assert (step(registry, sessions, direct).action, statuses(registry)[v1]) == ("promote", "stable")
+    assert step(registry, sessions, direct).action == "none"
+    v3 = publish(registry)
+    assert (step(registry, sessions, direct).action, statuses(registry)[v3]) == ("promote", "stable")
 
 
 def test_a_canary_no_node_can_load_is_rolled_back_without_waiting_for_samples(registry, sessions):
@@ -424,3 +437,243 @@ def test_the_pin_cli_commands_and_their_exit_codes(registry, sessions, migrated_
     assert code == 0 and f"unpinned {LINE} (was pinned to v{v1}" in out
     assert registry.pinned() is None
     assert "unpinned by" in registry.transitions(v1)[-1]["reason"]
+
+
+# --- a failed load implicates its chain ---------------------------------------------------------------
+
+
+def corrupt(registry: Registry, version: int) -> bytes:
+    """Flip 64 bytes in the middle of ``version``'s object in the store; returns the original bytes."""
+    path = registry.store.root / registry.get(version).store_key
+    original = path.read_bytes()
+    middle = len(original) // 2
+    path.write_bytes(original[:middle] + bytes(b ^ 0xFF for b in original[middle:middle + 64])
+                     + original[middle + 64:])
+    return original
+
+
+def repair(registry: Registry, version: int, original: bytes) -> None:
+    (registry.store.root / registry.get(version).store_key).write_bytes(original)
+
+
+def node_loads(registry: Registry, sessions, node_id: str, version: int, live: int = 0) -> None:
+    """A node on ``live`` tries to load ``version`` as ``serving.node.updater`` does (from its live
+    version's weights) and reports the outcome in its database heartbeat."""
+    from flywheel.weights.registry import WeightsError
+
+    try:
+        registry.load(version, base=(live, registry.load(live)))
+    except WeightsError as exc:
+        report(sessions, node_id, live, "failed_update", f"version {version}: {type(exc).__name__}: {exc}")
+    else:
+        report(sessions, node_id, version, "serving", f"updated {live} -> {version}")
+
+
+def test_a_canary_no_node_can_load_takes_the_candidates_on_its_chain_with_it_until_cleared(registry, sessions):
+    v1, v2 = publish(registry), publish(registry)
+    assert [registry.get(v).kind for v in (v1, v2)] == ["delta", "delta"] and registry.get(v2).parent == v1
+    original = corrupt(registry, v1)  # v2's chain runs through the damaged v1
+    events: list[VersionEvent] = []
+    assert (step(registry, sessions, POLICY, events.append).action, statuses(registry)[v2]) == ("canary", "canary")
+    for node in ("node-a", "node-b"):
+        node_loads(registry, sessions, node, v2)
+    d = step(registry, sessions, POLICY, events.append)
+    assert (d.action, d.version, d.was) == ("rollback", v2, "canary") and d.figures["implicated"] == [v1]
+    assert f"version {v1} (" in d.reason  # the nodes' reason names the damaged object
+    assert statuses(registry) == {0: "stable", v1: "rolled_back", v2: "rolled_back"}
+    assert [(e.version, e.status) for e in events] == [(v2, "canary"), (v1, "rolled_back"), (v2, "rolled_back")]
+    mine = registry.transitions(v1)[-1]
+    assert (mine["from_status"], mine["to_status"]) == ("candidate", "rolled_back")
+    assert f"implicated in a failed load: the chain of canary v{v2} runs through v{v1}" in mine["reason"]
+    assert f"failed load: no node can load canary v{v2}" in registry.transitions(v2)[-1]["reason"]
+
+    # Still damaged: clearing re-verifies, fails, says why and leaves it (and the audit) as it was.
+    with pytest.raises(VerificationFailed, match=f"v{v1} stays rolled_back: re-verification of v0 \\(full\\) -> v{v1} "
+                                                 f"failed: version {v1} "):
+        manual_clear(registry, v1, by="alice@ops")
+    assert registry.get(v1).status == "rolled_back" and registry.transitions(v1)[-1] == mine
+
+    # Repaired: the implicated versions stay ineligible, whatever the timing; later versions move on.
+    repair(registry, v1, original)
+    report(sessions, "node-a", 0, "serving", "")
+    report(sessions, "node-b", 0, "serving", "")
+    for _ in range(2):
+        d = step(registry, sessions, POLICY)
+        assert (d.action, d.version) == ("none", None) and "no candidate newer than stable" in d.reason
+    v3 = publish(registry)  # a delta on v2, chained through the repaired v1: loads
+    assert registry.get(v3).parent == v2
+    d = step(registry, sessions, POLICY)
+    assert (d.action, d.version) == ("canary", v3)
+    node_loads(registry, sessions, "node-a", v3)
+    assert statuses(registry) == {0: "stable", v1: "rolled_back", v2: "rolled_back", v3: "canary"}
+
+    with pytest.raises(RolloutError, match=f"v{v3} is canary; only a rolled-back version can be cleared"):
+        manual_clear(registry, v3)
+    assert manual_clear(registry, v1, "object repaired", by="alice@ops") == [v1]
+    cleared = registry.transitions(v1)[-1]
+    assert (cleared["from_status"], cleared["to_status"]) == ("rolled_back", "candidate")
+    assert cleared["reason"].startswith(f"cleared by alice@ops: re-verified end to end (v0 (full) -> v{v1}, every "
+                                        f"hash checked, sha256 {registry.get(v1).sha256[:12]}); was rolled_back")
+    assert cleared["reason"].endswith(": object repaired")
+
+
+def test_a_canary_that_served_nothing_while_a_node_failed_to_load_it_implicates_its_chain(registry, sessions):
+    v1, v2 = publish(registry), publish(registry)
+    assert step(registry, sessions, POLICY).version == v2
+    serve(sessions, 0, 150)  # stable served min_samples, the canary nothing
+    report(sessions, "node-a", 0, "failed_update", f"version {v2}: WeightsError: version {v1} (k): corrupt")
+    report(sessions, "node-b", 0, "serving", "")  # has not tried it: not every node refused it
+    d = step(registry, sessions, POLICY)
+    assert (d.action, d.version, d.figures["implicated"]) == ("rollback", v2, [v1])
+    assert "served nothing" in d.reason and "failed to load it: node-a: WeightsError" in d.reason
+    assert statuses(registry) == {0: "stable", v1: "rolled_back", v2: "rolled_back"}
+
+    # A canary that served nothing and that no node failed to load is rolled back alone.
+    v3, v4 = publish(registry), publish(registry)
+    assert step(registry, sessions, POLICY).version == v4
+    report(sessions, "node-a", 0, "serving", "")
+    serve(sessions, 0, 150)
+    d = step(registry, sessions, POLICY)
+    assert (d.action, d.version) == ("rollback", v4) and "implicated" not in d.figures
+    assert statuses(registry)[v3] == "candidate" and statuses(registry)[v4] == "rolled_back"
+    assert step(registry, sessions, POLICY).version == v3  # no failed load: v3 is eligible
+
+
+def test_a_failed_load_implicates_only_candidates_since_the_last_version_known_good(registry, sessions):
+    from serving.rollout_policy import implicated
+
+    v1, v2, v3, v4 = (publish(registry) for _ in range(4))
+    manual_promote(registry, v1)  # v0 retired, v1 stable
+    manual_rollback(registry, v1)  # v0 stable again, v1 rolled back (no longer known good)
+    manual_promote(registry, v2)
+    registry.set_status(v3, "canary", reason="test")
+    registry.set_status(v3, "rolled_back", reason="test: bad answers")
+    versions = registry.versions()
+    assert implicated(versions, v4, v2) == []  # v3 rolled back already, v2 stable: known good
+    assert implicated(versions, v4, None) == []
+    assert implicated(versions, v2, 0) == []  # v1 rolled back is walked past, v0 stops it
+    registry.set_status(v3, "candidate", reason="test")
+    assert implicated(registry.versions(), v4, v2) == [v3]
+    assert implicated(registry.versions(), v4, v3) == []  # nothing newer than the floor
+    assert implicated(registry.versions(), 0, None) == []  # a full version has no chain
+    # Below the version the fleet serves, a version stable on paper (retired) is implicated too.
+    manual_promote(registry, v3)
+    assert statuses(registry)[v2] == "retired"
+    assert implicated(registry.versions(), v4, 0) == [v2]  # v3 stable: not implicable, walked past
+
+
+def test_a_stable_version_no_node_can_load_restores_what_the_fleet_serves(registry, sessions):
+    """Two promotions before the nodes report: the previous stable version is one no node ever
+    loaded, whose chain holds the same damaged object; the fleet never left v0, so v0 comes back."""
+    direct = POLICY.model_copy(update={"canary_fraction": 0.0})
+    v1, v2 = publish(registry), publish(registry)
+    assert step(registry, sessions, direct).version == v2
+    v3 = publish(registry)
+    assert step(registry, sessions, direct).version == v3 and statuses(registry)[v2] == "retired"
+    original = corrupt(registry, v1)
+    for node in ("node-a", "node-b"):
+        node_loads(registry, sessions, node, v3)
+    events: list[VersionEvent] = []
+    d = step(registry, sessions, direct, events.append)
+    assert (d.action, d.version, d.figures["restore"], d.figures["implicated"]) == ("rollback", v3, 0, [v2, v1])
+    assert statuses(registry) == {0: "stable", v1: "rolled_back", v2: "rolled_back", v3: "rolled_back"}
+    assert [(e.version, e.status) for e in events] == [(v2, "rolled_back"), (v1, "rolled_back"), (0, "stable"),
+                                                       (v3, "rolled_back")]
+    assert f"the chain of stable v{v3} runs through v{v2}" in registry.transitions(v2)[-1]["reason"]
+    assert "v0 restored" in registry.transitions(v3)[-1]["reason"]
+    assert registry.transitions(0)[-1]["reason"].startswith(f"rollout: restored instead of v{v3}: rollout: failed load")
+    repair(registry, v1, original)
+    assert step(registry, sessions, direct).action == "none"  # all three stay out until cleared
+    assert manual_clear(registry, v2, by="alice@ops") == [v2]
+    assert step(registry, sessions, direct).version == v2 and statuses(registry)[v2] == "stable"
+
+
+def test_nodes_on_different_versions_fall_back_to_the_previous_stable_version(registry, sessions):
+    direct = POLICY.model_copy(update={"canary_fraction": 0.0})
+    v1 = publish(registry)
+    assert step(registry, sessions, direct).version == v1
+    v2 = publish(registry)
+    assert step(registry, sessions, direct).version == v2
+    report(sessions, "node-a", 0, "failed_update", f"version {v2}: WeightsError: corrupt")
+    report(sessions, "node-b", v1, "failed_update", f"version {v2}: WeightsError: corrupt")
+    d = step(registry, sessions, direct)
+    assert (d.action, d.version, d.figures["restore"], d.figures["implicated"]) == ("rollback", v2, v1, [])
+    assert statuses(registry) == {0: "retired", v1: "stable", v2: "rolled_back"}
+
+
+def test_the_clear_command(registry, sessions, migrated_db_url, tmp_path, capsys):
+    settings = _settings(migrated_db_url, tmp_path)
+    parser = build_parser()
+
+    def run(*argv: str) -> tuple[int, str, str]:
+        code = dispatch(parser.parse_args(["rollout", *argv]), settings)
+        out = capsys.readouterr()
+        return code, out.out, out.err
+
+    v1, v2 = publish(registry), publish(registry)
+    original = corrupt(registry, v1)
+    step(registry, sessions, POLICY)
+    for node in ("node-a", "node-b"):
+        node_loads(registry, sessions, node, v2)
+    assert step(registry, sessions, POLICY).action == "rollback"
+    assert statuses(registry) == {0: "stable", v1: "rolled_back", v2: "rolled_back"}
+
+    assert run("clear")[0] == 2
+    code, _, err = run("clear", "0")
+    assert code == 1 and "v0 is stable; only a rolled-back version can be cleared" in err
+    code, _, err = run("clear", f"v{v2}")  # its chain runs through the damaged v1
+    assert code == 1 and f"flywheel rollout clear: v{v2} stays rolled_back: re-verification of v0 (full) -> v{v1} -> " \
+                         f"v{v2} failed: version {v1} (" in err
+    assert statuses(registry)[v2] == "rolled_back"
+    repair(registry, v1, original)
+    manual_pin(registry, 0, "bob@ops", "freeze")
+    code, _, err = run("clear", str(v2))
+    assert code == 1 and "clear is refused while pinned" in err and "--force clears anyway (the pin stays)" in err
+    code, out, _ = run("clear", str(v2), "--force", "--reason", "store fixed")
+    assert code == 0 and f"v{v2}: candidate" in out and "re-verified end to end" in out
+    reason = registry.transitions(v2)[-1]["reason"]
+    assert reason.startswith("cleared by ") and "@" in reason and reason.endswith("was rolled_back: store fixed")
+    assert registry.pinned().version == 0 and statuses(registry)[v1] == "rolled_back"
+    manual_unpin(registry, "bob@ops")
+    assert step(registry, sessions, POLICY).version == v2  # cleared: eligible again
+
+    v3 = publish(registry)
+    manual_promote(registry, v3)
+    code, out, _ = run("clear", str(v1))
+    assert code == 0 and f"v{v1} is older than stable v{v3}: the controller will not canary it" in out
+
+
+def test_the_admin_clear_route_needs_the_admin_key_and_re_verifies(registry, sessions, migrated_db_url, tmp_path):
+    from fastapi.testclient import TestClient
+
+    from flywheel.keys import create_key
+    from serving.gateway.app import create_app
+
+    settings = load_settings(data_dir=str(tmp_path / "data"), db={"url": migrated_db_url}, model={"line": LINE},
+                             store={"path": str(tmp_path / "store")},
+                             bus={"kind": "local", "topic_prefix": f"t{uuid.uuid4().hex[:8]}."},
+                             gateway={"auth": "on", "upstream": "http://127.0.0.1:9"}, rollout=POLICY.model_dump())
+    admin_id, admin = create_key(sessions, "ops", role="admin", name="admin")
+    _, tenant = create_key(sessions, "acme", name="acme")
+    v1 = publish(registry)
+    original = corrupt(registry, v1)
+    step(registry, sessions, POLICY)
+    node_loads(registry, sessions, "node-a", v1)
+    assert step(registry, sessions, POLICY).action == "rollback" and statuses(registry)[v1] == "rolled_back"
+    url = f"/admin/versions/{v1}/clear"
+    with TestClient(create_app(settings)) as client:
+        assert client.post(url).status_code == 401
+        r = client.post(url, headers={"Authorization": f"Bearer {tenant}"})
+        assert r.status_code == 403 and r.json()["error"]["code"] == "admin_required"
+        as_admin = {"Authorization": f"Bearer {admin}"}
+        r = client.post(url, headers=as_admin)
+        assert r.status_code == 409 and r.json()["error"]["code"] == "verification_failed", r.text
+        assert f"v{v1} stays rolled_back" in r.json()["error"]["message"]
+        repair(registry, v1, original)
+        r = client.post(url, headers=as_admin, json={"reason": "ticket 9"})
+        assert r.status_code == 200 and r.json() == {"changed": [{"version": v1, "status": "candidate"}]}, r.text
+        r = client.post(url, headers=as_admin)
+        assert r.status_code == 409 and r.json()["error"]["code"] == "rollout_conflict"
+    reason = registry.transitions(v1)[-1]["reason"]
+    assert reason.startswith(f"cleared by admin API key {admin_id.key_id}: re-verified end to end")
+    assert reason.endswith(": ticket 9")
