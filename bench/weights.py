@@ -9,6 +9,15 @@ For each pair, in the same run, it reports:
 
 - ``fraction_changed``: share of elements whose bits differ;
 - ``flywheel_pct``: ``len(encode_delta(old, new))`` as % of the full bf16 bytes;
+  ``bytes_per_changed``: the same delta's bytes per changed element;
+- ``anchor_pct``: the new state as a compressed full anchor (:func:`encode_anchor`, what the
+  registry stores for a full version) as % of the raw bf16 bytes; ``anchor_encode_gbps`` /
+  ``anchor_decode_gbps``: raw bytes per second through :func:`encode_anchor` / :func:`decode_anchor`
+  (the decode checks every tensor's SHA-256); ``anchor_exact``: the decoded state hashes to the new one;
+- ``chain_pct``: the average object a node fetches per version over a chain of ``--full-every``
+  versions (default 50) with one full anchor, each later version a delta like this pair's:
+  ``(anchor bytes + (full_every - 1) * delta bytes) / full_every`` as % of the raw bytes (the
+  1-step rows are the chain the registry builds when a version is published every step);
 - ``xor_zstd_pct``: the naive baseline, XOR of the bits with the old state, zstd level 3, whole state;
 - ``floor_pct``: the order-0 entropy floor (H(p)/p bits per changed position plus the empirical
   entropy of the steps), as % of full;
@@ -48,6 +57,7 @@ import numpy as np
 import torch
 import zstandard
 
+from flywheel.weights.codec.anchor import decode_anchor, encode_anchor
 from flywheel.weights.codec.bitview import element_bits, order_keys, zigzag
 from flywheel.weights.codec.delta import (
     apply_delta,
@@ -151,7 +161,24 @@ def measure_device(old: State, new: State, old_sha: str, new_sha: str, delta: by
     return {"device": str(device), "encode_device_gbps": full / enc_s / 1e9, "device_identical": identical}
 
 
-def measure(old: State, new: State, repeats: int, device: torch.device | None = None) -> dict[str, Any]:
+def measure_anchor(new: State, delta_bytes: int, full_every: int, repeats: int) -> dict[str, Any]:
+    """The compressed full anchor of ``new``: size, speed, and the chain average it gives."""
+    full = sum(t.numel() * t.element_size() for t in new.values())
+    enc_s, blob = _best(lambda: encode_anchor(new), repeats)
+    dec_s, (decoded, sha) = _best(lambda: decode_anchor(blob), repeats)
+    return {
+        "anchor_bytes": len(blob),
+        "anchor_exact": sha == state_sha256(new) == state_sha256(decoded),
+        "anchor_pct": 100 * len(blob) / full,
+        "anchor_encode_gbps": full / enc_s / 1e9,
+        "anchor_decode_gbps": full / dec_s / 1e9,
+        "full_every": full_every,
+        "chain_pct": 100 * (len(blob) + (full_every - 1) * delta_bytes) / full_every / full,
+    }
+
+
+def measure(old: State, new: State, repeats: int, device: torch.device | None = None,
+            full_every: int = 50) -> dict[str, Any]:
     full = sum(t.numel() * t.element_size() for t in new.values())
     changed, elements = count_changed(old, new)
     old_sha, new_sha = state_sha256(old), state_sha256(new)
@@ -173,6 +200,7 @@ def measure(old: State, new: State, repeats: int, device: torch.device | None = 
         "full_bytes": full,
         "flywheel_bytes": len(delta),
         "flywheel_pct": 100 * len(delta) / full,
+        "bytes_per_changed": len(delta) / max(changed, 1),
         "xor_zstd_pct": 100 * xor_zstd_bytes(old, new) / full,
         "floor_pct": 100 * floor_bytes(old, new) / full,
         "encode_gbps": full / enc_s / 1e9,
@@ -182,6 +210,7 @@ def measure(old: State, new: State, repeats: int, device: torch.device | None = 
         "decode_verified_gbps": full / dec_v_s / 1e9,
         "sha256_gbps": full / hash_s / 1e9,
         "bit_exact": bool(exact),
+        **measure_anchor(new, len(delta), full_every, repeats),
         **on_device,
         "load_avg_1m": os.getloadavg()[0],
     }
@@ -207,6 +236,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--full-every", type=int, default=50, help="versions per full anchor in chain_pct")
     parser.add_argument("--json", type=Path, help="write {'pairs': [...]} here")
     parser.add_argument("--device", help="also time the encoder finding changes with torch here: cuda[:N], auto "
                                          "(a GPU if any) or cpu")
@@ -215,6 +245,8 @@ def main(argv: list[str] | None = None) -> None:
         device = bench_device(args.device)
     except ValueError as exc:
         parser.error(str(exc))
+    if args.full_every < 1:
+        parser.error("--full-every must be at least 1")
     torch.set_num_threads(2)
     rows = []
     for lr in args.lrs:
@@ -223,21 +255,31 @@ def main(argv: list[str] | None = None) -> None:
                            vocab=args.vocab, batch=args.batch, seq=args.seq, seed=args.seed)
         train_s = time.monotonic() - started
         for gap, old, new in pairs:
-            row = {"lr": lr, "steps_apart": gap, **measure(old, new, args.repeats, device),
+            row = {"lr": lr, "steps_apart": gap, **measure(old, new, args.repeats, device, args.full_every),
                    "train_s": round(train_s, 1)}
             rows.append(row)
             print(f"lr={lr:g} gap={gap}: changed {row['fraction_changed']:.4f} flywheel {row['flywheel_pct']:.3f}% "
-                  f"floor {row['floor_pct']:.3f}% (load {row['load_avg_1m']:.1f})", flush=True)
+                  f"floor {row['floor_pct']:.3f}% anchor {row['anchor_pct']:.2f}% chain {row['chain_pct']:.3f}% "
+                  f"(load {row['load_avg_1m']:.1f})", flush=True)
     params = rows[0]["elements"] if rows else 0
     print(f"\nmodel: {params / 1e6:.1f}M parameters, {rows[0]['full_bytes'] / 1e6:.1f} MB bf16" if rows else "")
-    head = (f"{'lr':>7} {'apart':>5} {'changed':>8} {'flywheel%':>9} {'xor+zstd%':>9} {'floor%':>7} {'fw/floor':>8} "
-            f"{'enc GB/s':>8} {'dec GB/s':>8} {'enc+h':>6} {'dec+h':>6} {'sha GB/s':>8} {'exact':>5}")
+    head = (f"{'lr':>7} {'apart':>5} {'changed':>8} {'flywheel%':>9} {'B/chg':>6} {'xor+zstd%':>9} {'floor%':>7} "
+            f"{'fw/floor':>8} {'enc GB/s':>8} {'dec GB/s':>8} {'enc+h':>6} {'dec+h':>6} {'sha GB/s':>8} {'exact':>5}")
     print(head)
     for r in rows:
         print(f"{r['lr']:>7g} {r['steps_apart']:>5} {r['fraction_changed']:>8.4f} {r['flywheel_pct']:>9.3f} "
-              f"{r['xor_zstd_pct']:>9.3f} {r['floor_pct']:>7.3f} {r['flywheel_pct'] / r['floor_pct']:>8.3f} "
-              f"{r['encode_gbps']:>8.2f} {r['decode_gbps']:>8.2f} {r['encode_hashed_gbps']:>6.2f} "
-              f"{r['decode_hashed_gbps']:>6.2f} {r['sha256_gbps']:>8.2f} {str(r['bit_exact']):>5}")
+              f"{r['bytes_per_changed']:>6.3f} {r['xor_zstd_pct']:>9.3f} {r['floor_pct']:>7.3f} "
+              f"{r['flywheel_pct'] / r['floor_pct']:>8.3f} {r['encode_gbps']:>8.2f} {r['decode_gbps']:>8.2f} "
+              f"{r['encode_hashed_gbps']:>6.2f} {r['decode_hashed_gbps']:>6.2f} {r['sha256_gbps']:>8.2f} "
+              f"{str(r['bit_exact']):>5}")
+    if rows:
+        every = rows[0]["full_every"]
+        print(f"\nfull anchor (compressed) and the chain average at one full anchor per {every} versions, "
+              f"each later version a delta like the pair's")
+        print(f"{'lr':>7} {'apart':>5} {'anchor%':>8} {'anc enc GB/s':>12} {'anc dec GB/s':>12} {f'chain/{every}%':>10}")
+        for r in rows:
+            print(f"{r['lr']:>7g} {r['steps_apart']:>5} {r['anchor_pct']:>8.2f} {r['anchor_encode_gbps']:>12.2f} "
+                  f"{r['anchor_decode_gbps']:>12.2f} {r['chain_pct']:>10.3f}")
     for r in rows:
         if "device" in r:
             print(f"lr={r['lr']:g} apart={r['steps_apart']}: encode on {r['device']} "

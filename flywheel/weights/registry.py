@@ -10,12 +10,18 @@ Invariants:
 - Version numbers are never reused: the primary key ``(model_line, version)`` decides, and a
   publisher that loses the race retries with the next number. Store keys carry a random token,
   so a losing publisher never overwrites the winner's object.
+- Full versions are stored as compressed anchors (:mod:`flywheel.weights.codec.anchor`, lossless);
+  full objects stored before that are plain safetensors and still load. ``bytes`` is the object
+  stored, ``full_bytes`` the state's raw tensor bytes (uncompressed: what "% of full" figures are
+  relative to).
 - A delta is stored only on top of a parent whose recorded hash matches the base it was encoded
-  against, only when it is smaller than the full checkpoint, and never on anchor versions
-  (``version % full_every == 0``), so a load never walks more than ``full_every - 1`` deltas.
-  A delta is also refused when it is not much smaller than the full checkpoint (``DELTA_MAX_RATIO``),
-  and when the deltas since the last full anchor would add up to more than ``chain_max_ratio`` of a
-  full checkpoint (a new anchor is cheaper to load than that chain).
+  against, and never on anchor versions (``version % full_every == 0``), so a load never walks
+  more than ``full_every - 1`` deltas. The delta competes with the object that would be stored
+  instead, a compressed anchor, whose size is estimated from the parent chain's anchor (its
+  stored bytes per raw byte, times this state's raw bytes), so a delta publish never compresses a
+  full state it will not store. A delta is refused when it is not much smaller than that anchor
+  (``DELTA_MAX_RATIO``), and when the deltas since the chain's anchor would add up to more than
+  ``chain_max_ratio`` of it (a new anchor is then cheaper to fetch than that chain).
 - :meth:`Registry.load` returns weights whose hash equals the row's, or raises :class:`WeightsError`.
 - At most one version of a line is ``stable``: promoting one retires the previous (audited).
 - A line may be *pinned* (:meth:`Registry.pin`): the pinned version is stable, carries who pinned
@@ -33,12 +39,14 @@ Invariants:
   versions, and every ancestor their chains need. Collected versions keep their row (status
   ``collected``, audited) so version numbers and the audit log stay whole.
 - :meth:`Registry.squash` encodes one delta between any two versions, verified like a publish.
+- :meth:`Registry.shipped` reports, read-only, the bytes a node moving to each version fetches,
+  the average over its chain, and what each region's cache recorded pulling.
 """
 
 from __future__ import annotations
 
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -49,20 +57,22 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
 from flywheel.db.models import ModelVersion, Node, VersionTransition
+from flywheel.weights.codec.anchor import encode_anchor, raw_bytes, read_full
 from flywheel.weights.codec.container import read_delta_header
 from flywheel.weights.codec.delta import apply_delta, encode_delta_with_summary
-from flywheel.weights.codec.state import DeltaError, decode_full, encode_full, state_sha256
+from flywheel.weights.codec.state import DeltaError, state_sha256
 from flywheel.weights.codec.stats import count_changed
-from flywheel.weights.store import Store, StoreError, validate_key
+from flywheel.weights.store import RegionalCache, Store, StoreError, validate_key
 
 State = dict[str, torch.Tensor]
 
 STATUSES = ("candidate", "canary", "stable", "rolled_back", "retired", "collected")
 _PUBLISH_ATTEMPTS = 20
-#: A delta is kept only when it is below this fraction of the full checkpoint; otherwise the version
-#: is stored in full (a delta that saves little is not worth a dependency on its parent chain).
+#: A delta is kept only when it is below this fraction of the (compressed) anchor that would be
+#: stored instead; otherwise the version is stored in full (a delta that saves little is not worth a
+#: dependency on its parent chain).
 DELTA_MAX_RATIO = 0.5
-#: The deltas between a full anchor and a new version may add up to this fraction of a full checkpoint.
+#: The deltas between a full anchor and a new version may add up to this fraction of an anchor.
 CHAIN_MAX_RATIO = 1.0
 
 
@@ -116,6 +126,39 @@ class VersionInfo:
     metrics: dict[str, Any]
     status: str
     created_at: datetime
+
+
+@dataclass(frozen=True)
+class ShippedBytes:
+    """What moving a node to one version costs in object bytes (:meth:`Registry.shipped`).
+
+    ``bytes``: the object a node that holds ``parent`` fetches (the delta, or for a full version
+    its stored anchor, compressed or not); ``chain_bytes``: every object from the chain's anchor
+    (``anchor``) through this version, what a node holding none of them fetches; ``chain_average``:
+    ``chain_bytes`` per version of that chain (``chain_length`` versions, the anchor included);
+    ``regions``: bytes each given region's cache recorded pulling from the origin for this version's
+    object (0: not pulled there, or pulled before the ledger existed)."""
+
+    version: int
+    kind: str
+    parent: int | None
+    bytes: int
+    full_bytes: int
+    anchor: int
+    chain_length: int
+    chain_bytes: int
+    chain_average: float
+    regions: dict[str, int]
+
+    @property
+    def pct_of_full(self) -> float:
+        """``bytes`` as a percentage of the uncompressed state."""
+        return 100.0 * self.bytes / max(self.full_bytes, 1)
+
+    @property
+    def chain_average_pct(self) -> float:
+        """``chain_average`` as a percentage of the uncompressed state."""
+        return 100.0 * self.chain_average / max(self.full_bytes, 1)
 
 
 def _utc(value: datetime) -> datetime:
@@ -232,6 +275,29 @@ class Registry:
                  "reason": t.reason, "at": _utc(t.at)}
                 for t in session.scalars(query.order_by(VersionTransition.id))
             ]
+
+    def shipped(self, regions: Mapping[str, RegionalCache] | None = None) -> list[ShippedBytes]:
+        """Bytes shipped per version, oldest first (read-only; see :class:`ShippedBytes`).
+
+        ``regions`` maps a region's name to its cache (a :class:`RegionalCache` over this store);
+        by default the registry's own store when it reads through one. A chain that breaks (a
+        missing parent) starts anew at the version after the break."""
+        if regions is None:
+            regions = {self.store.region: self.store} if isinstance(self.store, RegionalCache) else {}
+        pulled = {name: cache.pulled() for name, cache in regions.items()}
+        out: list[ShippedBytes] = []
+        chains: dict[int, tuple[int, int, int]] = {}  # version -> (anchor, length, bytes) of its chain
+        for info in self.versions():
+            up = chains.get(info.parent) if info.kind == "delta" and info.parent is not None else None
+            anchor, length, total = (up[0], up[1] + 1, up[2] + info.bytes) if up else (info.version, 1, info.bytes)
+            chains[info.version] = (anchor, length, total)
+            out.append(ShippedBytes(
+                version=info.version, kind=info.kind, parent=info.parent, bytes=info.bytes,
+                full_bytes=info.full_bytes, anchor=anchor, chain_length=length, chain_bytes=total,
+                chain_average=total / length,
+                regions={name: keys.get(info.store_key, 0) for name, keys in pulled.items()},
+            ))
+        return out
 
     # --- status --------------------------------------------------------------------------------
 
@@ -369,11 +435,13 @@ class Registry:
         """Store ``state`` as the next version (status ``candidate``) and return it.
 
         A delta against ``parent`` when it is allowed (not ``force_full``, not an anchor version)
-        and under ``DELTA_MAX_RATIO`` of the full checkpoint's size; otherwise a full checkpoint. ``parent_state`` must be
-        the parent's weights (checked by hash); it is loaded from the registry when omitted.
+        and pays (:meth:`_delta_pays`); otherwise a full version, a compressed anchor.
+        ``parent_state`` must be the parent's weights (checked by hash); it is loaded from the
+        registry when omitted.
         """
         sha = state_sha256(state)
-        full_blob = encode_full(state)
+        full_bytes = raw_bytes(state)
+        anchor_blob: bytes | None = None
         parent_sha: str | None = None
         if parent is not None:
             parent_sha = self.get(parent).sha256
@@ -396,12 +464,12 @@ class Registry:
             if fraction is None and parent_state is not None:
                 changed, elements = count_changed(parent_state, state)
                 fraction = changed / elements if elements else 0.0
-            small = delta_blob is not None and len(delta_blob) < DELTA_MAX_RATIO * len(full_blob)
-            if small and parent is not None:
-                assert delta_blob is not None
-                small = self._chain_bytes(parent) + len(delta_blob) <= self.chain_max_ratio * len(full_blob)
-            kind = "delta" if not anchor and small else "full"
-            data = delta_blob if kind == "delta" else full_blob
+            pays = not anchor and delta_blob is not None and parent is not None \
+                and self._delta_pays(parent, len(delta_blob), full_bytes)
+            kind = "delta" if pays else "full"
+            if kind == "full" and anchor_blob is None:
+                anchor_blob = encode_anchor(state)
+            data = delta_blob if kind == "delta" else anchor_blob
             assert data is not None
             key = f"{self.model_line}/v{version:08d}-{secrets.token_hex(4)}.{kind}"
             self.store.put(key, data)
@@ -410,7 +478,7 @@ class Registry:
                 row = ModelVersion(
                     model_line=self.model_line, version=version, kind=kind,
                     parent=parent,
-                    sha256=sha, store_key=key, bytes=len(data), full_bytes=len(full_blob),
+                    sha256=sha, store_key=key, bytes=len(data), full_bytes=full_bytes,
                     fraction_changed=fraction, train_step=train_step, metrics=dict(metrics or {}),
                     status="candidate", created_at=datetime.now(UTC),
                 )
@@ -430,15 +498,20 @@ class Registry:
             f"could not allocate a version number for {self.model_line!r} after {_PUBLISH_ATTEMPTS} attempts"
         )
 
-    def _chain_bytes(self, version: int) -> int:
-        """Bytes of the deltas from ``version`` back to its full anchor (0 when it is full)."""
-        total = 0
+    def _delta_pays(self, parent: int, delta_bytes: int, full_bytes: int) -> bool:
+        """Whether a delta of ``delta_bytes`` on ``parent`` beats storing the state (``full_bytes``
+        raw) as a new anchor: under ``DELTA_MAX_RATIO`` of that anchor, and with the deltas since
+        the chain's anchor under ``chain_max_ratio`` of it. The new anchor's size is estimated from
+        the chain's anchor (stored bytes per raw byte; 1 for one stored as plain safetensors)."""
+        chain = 0
         with self._sessions() as session:
-            row = self._row(session, version)
+            row = self._row(session, parent)
             while row.kind == "delta" and row.parent is not None:
-                total += row.bytes
+                chain += row.bytes
                 row = self._row(session, row.parent)
-        return total
+            ratio = row.bytes / row.full_bytes if row.full_bytes > 0 else 1.0
+        anchor_bytes = ratio * full_bytes
+        return delta_bytes < DELTA_MAX_RATIO * anchor_bytes and chain + delta_bytes <= self.chain_max_ratio * anchor_bytes
 
     def _next_version(self) -> int:
         with self._sessions() as session:
@@ -454,7 +527,7 @@ class Registry:
         try:
             data = self.store.get(key)
             if kind == "full":
-                got = state_sha256(decode_full(data))
+                got = read_full(data)[1]  # each tensor checked against its digest, the state hash built from them
             else:
                 assert parent_state is not None
                 apply_delta(parent_state, data, old_sha256=parent_sha)  # checks the target hash
@@ -499,10 +572,10 @@ class Registry:
         else:
             data = self._fetch(current)
             try:
-                state = decode_full(data)
+                state, got = read_full(data)
             except DeltaError as exc:
                 raise WeightsError(f"version {current.version} ({current.store_key}): {exc}") from exc
-            if state_sha256(state) != current.sha256:
+            if got != current.sha256:
                 raise WeightsError(f"version {current.version} ({current.store_key}) does not match its recorded hash")
 
         state_sha = current.sha256

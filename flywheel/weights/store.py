@@ -29,6 +29,8 @@ if TYPE_CHECKING:
 _SEGMENT = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*")
 _MAX_KEY = 1024
 _TMP_PREFIX = ".tmp-"
+# A regional cache's ledger of pulls (a dot name: never an object key, never listed).
+_LEDGER = ".pulled"
 
 
 class StoreError(Exception):
@@ -254,11 +256,15 @@ class RegionalCache:
     lock in the cache (``.locks/``) and look again before pulling, so concurrent nodes of one region
     wait for one pull instead of each pulling. Writes and deletes go to the origin (deletes also
     drop the cached copy). Whatever comes out is still checked by the registry against its sha256.
-    ``pulled_bytes`` counts what this process pulled from the origin."""
+    ``pulled_bytes`` counts what this process pulled from the origin; every pull of the region (any
+    process) is also appended to a ledger in the cache folder (``.pulled``: one ``key<TAB>bytes``
+    line each, a single append), which :meth:`pulled` sums per key. ``region`` names the region in
+    reports (default: the cache folder's name)."""
 
-    def __init__(self, origin: Store, cache: FolderStore) -> None:
+    def __init__(self, origin: Store, cache: FolderStore, region: str = "") -> None:
         self.origin = origin
         self.cache = cache
+        self.region = region or Path(cache.root).name
         self.pulled_bytes = 0
 
     def __repr__(self) -> str:
@@ -281,7 +287,26 @@ class RegionalCache:
                 data = self.origin.get(key)
                 self.cache.put(key, data)
                 self.pulled_bytes += len(data)
+                fd = os.open(locks.parent / _LEDGER, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+                try:
+                    os.write(fd, f"{key}\t{len(data)}\n".encode())
+                finally:
+                    os.close(fd)
                 return data
+
+    def pulled(self) -> dict[str, int]:
+        """Bytes the region's cache pulled from the origin, per key, as its ledger records them (a
+        key pulled again after its cached copy was deleted counts twice)."""
+        try:
+            text = (Path(os.path.realpath(self.cache.root)) / _LEDGER).read_text()
+        except FileNotFoundError:
+            return {}
+        out: dict[str, int] = {}
+        for line in text.splitlines():
+            key, _, size = line.partition("\t")
+            if size.isdigit():  # a malformed line (a crash mid-append) is skipped
+                out[key] = out.get(key, 0) + int(size)
+        return out
 
     def put(self, key: str, data: bytes) -> None:
         self.origin.put(key, data)
@@ -307,4 +332,4 @@ def make_store(settings: Settings) -> Store:
         origin = S3Store(cfg.bucket, cfg.prefix, endpoint_url=cfg.endpoint_url, region=cfg.region)
     else:
         raise ValueError(f"unknown store kind {cfg.kind!r}")
-    return RegionalCache(origin, FolderStore(cfg.cache_path)) if cfg.cache_path else origin
+    return RegionalCache(origin, FolderStore(cfg.cache_path), settings.node.region) if cfg.cache_path else origin

@@ -1,0 +1,262 @@
+"""Compressed full checkpoints (anchors): a state coded losslessly as float-aligned bit planes.
+
+A registry's full versions (version 0 and every ``full_every``-th) are what a new node fetches
+whole, so they dominate a chain's cost; raw safetensors spend 16 bits on a bf16 weight whose
+exponent carries ~2.5 bits of information. Format version 1, all integers little-endian::
+
+    MAGIC (8 bytes) | u16 format version | u32 header length | zstd(header JSON, UTF-8) | blobs
+
+The header holds the state's ``sha256`` (:func:`.state.state_sha256`) and, per tensor in name
+order: ``name``, ``dtype``, ``shape``, ``coding``, ``digest`` (hex SHA-256 of its raw
+little-endian bytes, :func:`.state.tensor_digest`), ``base`` (floats only) and, per stored stream,
+``lens`` (its bytes) and ``zstd`` (whether it is a zstd frame or stored raw). The blobs follow in
+header order. The streams are those of :mod:`.planes`: a float's exponents as 4-bit codes for the
+15 most common ones (from ``base`` up) plus the escaped others, its sign and mantissa bits as byte
+planes; any other dtype as byte planes. On bf16 weights (``bench/weights``' states) the exponents
+carry 2.55 bits (order 0): zstd level 1 codes the packed codes and escapes in 2.59 bits an exponent
+at ~1.5 G exponents/s on one core, where the plain exponent byte plane costs 2.90 bits at 0.22 G/s
+(level 3: 3.25 bits at 0.12 G/s; its match search finds short matches that cost more than the
+literals they replace).
+
+Each stream is zstd coded (level :data:`PLANE_LEVEL`) only when that makes it smaller; a stream
+whose sample does not compress (sign and mantissa bits) is stored raw without trying. Tensors are
+coded in parallel on the codec's thread pool (zstd, hashlib and numpy's loops release the GIL).
+
+Invariants: decoding checks the magic, version, header, every length (each stream decodes to
+exactly the bytes its tensor's shape and codes imply; the blobs end exactly at the end of the
+data) and every tensor's digest and the state hash, so corrupt or truncated input raises
+:class:`.state.DeltaError`, never yields wrong weights. Every bit pattern (NaN payloads, -0.0,
+denormals) round-trips; the bytes depend on the state only (not on dict order or memory layout).
+:func:`read_full` also reads the plain safetensors that :func:`.state.encode_full` writes (full
+versions stored before anchors were compressed).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+import zstandard
+
+from flywheel.weights.codec.bitview import UINT, dtype_name, element_bits, le_bytes, tensor_from_bits
+from flywheel.weights.codec.planes import coding_of, cut_streams, escape_count, exponent_base, join_streams, stream_count
+from flywheel.weights.codec.state import DeltaError, State, combine_digests, decode_full, state_sha256
+from flywheel.weights.codec.streams import decompress
+from flywheel.weights.codec.workers import map_tensors
+
+MAGIC = b"FWANCHOR"
+FORMAT_VERSION = 1
+#: After the magic: the format version and the header's length.
+PREFIX = struct.Struct("<HI")
+#: zstd level of the streams (the module docstring says why not 3).
+PLANE_LEVEL = 1
+#: zstd level of the header (small; names repeat).
+HEADER_LEVEL = 3
+# A plane is only tried with zstd when a sample of this many bytes saves at least 1/64 of itself.
+_PROBE_BYTES = 1 << 16
+_HEADER_LIMIT = 1 << 28
+# No zstd frame holds more than this many bytes per stored byte (an RLE block: 4 bytes for 128 KiB),
+# so a frame that claims more is corrupt: refused before anything is allocated.
+_ZSTD_MAX_RATIO = 1 << 15
+_ZSTD_MIN_FRAME = 1 << 17
+_LOCAL = threading.local()
+
+
+def is_anchor(data: bytes | memoryview) -> bool:
+    """Whether ``data`` starts like a compressed anchor (else it may be plain safetensors)."""
+    return bytes(memoryview(data)[: len(MAGIC)]) == MAGIC
+
+
+def _contexts() -> tuple[zstandard.ZstdCompressor, zstandard.ZstdDecompressor]:
+    pair = getattr(_LOCAL, "zstd", None)
+    if pair is None:
+        pair = _LOCAL.zstd = (zstandard.ZstdCompressor(level=PLANE_LEVEL), zstandard.ZstdDecompressor())
+    return pair
+
+
+def _code_plane(plane: np.ndarray, cctx: zstandard.ZstdCompressor) -> tuple[bytes | np.ndarray, bool]:
+    """The plane zstd coded when that is smaller, else itself (raw)."""
+    if plane.size > 2 * _PROBE_BYTES:  # a noisy plane (mantissa bits) is stored without a full try
+        middle = plane.size // 2
+        if len(cctx.compress(plane[middle : middle + _PROBE_BYTES])) > _PROBE_BYTES - _PROBE_BYTES // 64:
+            return plane, False
+    coded = cctx.compress(plane)
+    return (coded, True) if len(coded) < plane.size else (plane, False)
+
+
+# --- encode ------------------------------------------------------------------------------------
+
+
+def _encode_tensor(name: str, t: torch.Tensor) -> tuple[dict[str, Any], list[bytes | np.ndarray], bytes]:
+    le = np.frombuffer(le_bytes(element_bits(t)), dtype=np.uint8)
+    coding, width, cctx = coding_of(t.dtype), t.element_size(), _contexts()[0]
+    extra = {"base": exponent_base(le, coding, width)} if coding != "bytes" else {}
+    blobs, flags = [], []
+    for plane in cut_streams(le, coding, width, extra.get("base", 0)):
+        blob, coded = _code_plane(plane, cctx)
+        blobs.append(blob)
+        flags.append(coded)
+    digest = hashlib.sha256(le).digest()
+    entry = {"name": name, "dtype": dtype_name(t.dtype), "shape": list(t.shape), "coding": coding,
+             "digest": digest.hex(), **extra, "lens": [len(b) if isinstance(b, bytes) else b.size for b in blobs],
+             "zstd": flags}
+    return entry, blobs, digest
+
+
+def encode_anchor(state: Mapping[str, torch.Tensor]) -> bytes:
+    """``state`` as a compressed anchor (tensors in name order; any device, any layout; tensors that
+    share storage are coded separately)."""
+    names = sorted(state)
+    coded = map_tensors(lambda n: _encode_tensor(n, state[n]), names, [state[n].numel() for n in names])
+    sha = combine_digests((n, dtype_name(state[n].dtype), tuple(state[n].shape),
+                           state[n].numel() * state[n].element_size(), digest)
+                          for n, (_, _, digest) in zip(names, coded, strict=True))
+    header = {"sha256": sha, "tensors": [entry for entry, _, _ in coded]}
+    head = zstandard.ZstdCompressor(level=HEADER_LEVEL).compress(json.dumps(header, separators=(",", ":")).encode())
+    return b"".join([MAGIC, PREFIX.pack(FORMAT_VERSION, len(head)), head, *(b for _, blobs, _ in coded for b in blobs)])
+
+
+# --- decode ------------------------------------------------------------------------------------
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _parse_dtype(name: Any) -> torch.dtype:
+    dtype = getattr(torch, name, None) if isinstance(name, str) else None
+    if not isinstance(dtype, torch.dtype) or name.startswith(("qint", "quint")):
+        raise DeltaError(f"unknown dtype {name!r} in anchor header")
+    return dtype
+
+
+def _check_entry(entry: Any) -> tuple[str, torch.dtype, tuple[int, ...], int, bytes]:
+    """A header entry's ``(name, dtype, shape, numel, digest)`` after checking every field."""
+    if not isinstance(entry, dict):
+        raise DeltaError(f"corrupt tensor entry in anchor header: {entry!r:.200}")
+    name, shape, lens, flags = entry.get("name"), entry.get("shape"), entry.get("lens"), entry.get("zstd")
+    if not isinstance(name, str) or not isinstance(shape, list) or not all(_is_count(d) for d in shape):
+        raise DeltaError(f"corrupt tensor entry in anchor header: {entry!r:.200}")
+    dtype = _parse_dtype(entry.get("dtype"))
+    width = torch.empty((), dtype=dtype).element_size()
+    if entry.get("coding") != coding_of(dtype):
+        raise DeltaError(f"tensor {name!r}: coding {entry.get('coding')!r} is not that of {dtype_name(dtype)}")
+    if coding_of(dtype) != "bytes" and not (_is_count(entry.get("base")) and entry["base"] < 256):
+        raise DeltaError(f"tensor {name!r}: missing or bad exponent base")
+    streams = stream_count(coding_of(dtype), width)
+    if not (isinstance(lens, list) and isinstance(flags, list) and len(lens) == len(flags) == streams
+            and all(_is_count(n) for n in lens) and all(isinstance(f, bool) for f in flags)):
+        raise DeltaError(f"tensor {name!r}: bad plane lengths or flags")
+    try:
+        digest = bytes.fromhex(entry.get("digest", ""))
+    except (TypeError, ValueError) as exc:
+        raise DeltaError(f"tensor {name!r}: bad digest") from exc
+    if len(digest) != 32:
+        raise DeltaError(f"tensor {name!r}: bad digest")
+    numel = 1
+    for d in shape:
+        numel *= d
+    return name, dtype, tuple(shape), numel, digest
+
+
+def read_anchor_header(data: bytes | memoryview) -> tuple[dict[str, Any], int]:
+    """Parse and check an anchor's prefix and header; returns the header and the blobs' offset."""
+    view = memoryview(data)
+    if len(view) < len(MAGIC) + PREFIX.size or not is_anchor(view):
+        raise DeltaError("not a flywheel anchor (bad magic or too short)")
+    version, head_len = PREFIX.unpack_from(view, len(MAGIC))
+    if version != FORMAT_VERSION:
+        raise DeltaError(f"unsupported anchor format version {version} (this build reads {FORMAT_VERSION})")
+    start = len(MAGIC) + PREFIX.size
+    if start + head_len > len(view):
+        raise DeltaError("truncated anchor: header runs past the end")
+    text = decompress(view[start : start + head_len], zstandard.ZstdDecompressor(), _HEADER_LIMIT, "anchor header")
+    try:
+        header = json.loads(text.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise DeltaError(f"corrupt anchor header: {exc}") from exc
+    if not isinstance(header, dict) or not isinstance(header.get("sha256"), str) \
+            or not isinstance(header.get("tensors"), list):
+        raise DeltaError("corrupt anchor header: no sha256 or tensors")
+    return header, start + head_len
+
+
+def _decode_plane(blob: memoryview, coded: bool, size: int, what: str) -> np.ndarray:
+    if not coded:
+        if len(blob) != size:
+            raise DeltaError(f"{what}: {len(blob)} bytes stored raw, {size} expected")
+        return np.frombuffer(blob, dtype=np.uint8)
+    if size > len(blob) * _ZSTD_MAX_RATIO + _ZSTD_MIN_FRAME:
+        raise DeltaError(f"{what}: {len(blob)} bytes cannot hold {size}")
+    out = decompress(blob, _contexts()[1], size, what)
+    if len(out) != size:
+        raise DeltaError(f"{what}: decodes to {len(out)} bytes, {size} expected")
+    return np.frombuffer(out, dtype=np.uint8)
+
+
+def _decode_tensor(job: tuple[dict[str, Any], torch.dtype, tuple[int, ...], int, memoryview]) -> torch.Tensor:
+    entry, dtype, shape, numel, body = job
+    name, width = entry["name"], torch.empty((), dtype=dtype).element_size()
+    coding, planes, at = entry["coding"], [], 0
+    for i, (length, coded) in enumerate(zip(entry["lens"], entry["zstd"], strict=True)):
+        size = numel
+        if coding != "bytes" and i < 2:  # the exponent codes, then the escaped exponents
+            size = (numel + 1) // 2 if i == 0 else escape_count(planes[0], numel)
+        planes.append(_decode_plane(body[at : at + length], coded, size, f"tensor {name!r} stream {i}"))
+        at += length
+    le = join_streams(planes, coding, width, numel, entry.get("base", 0))
+    if hashlib.sha256(le).digest() != bytes.fromhex(entry["digest"]):
+        raise DeltaError(f"tensor {name!r} does not match its digest (corrupt anchor)")
+    if not numel:
+        return torch.empty(shape, dtype=dtype)
+    if width in UINT:
+        bits = le.view(np.dtype(UINT[width]).newbyteorder("<")).astype(UINT[width], copy=False)
+        return tensor_from_bits(bits, dtype, shape)
+    return torch.from_numpy(le).view(dtype).reshape(shape)  # complex128: native bytes both ways
+
+
+def decode_anchor(data: bytes | memoryview) -> tuple[State, str]:
+    """Inverse of :func:`encode_anchor`: the state (name order) and its :func:`.state.state_sha256`,
+    checked against every tensor's digest; corrupt or truncated input raises :class:`DeltaError`."""
+    header, offset = read_anchor_header(data)
+    view = memoryview(data)
+    jobs, seen, digests = [], set(), []
+    for entry in header["tensors"]:
+        name, dtype, shape, numel, digest = _check_entry(entry)
+        if name in seen:
+            raise DeltaError(f"tensor {name!r} twice in anchor header")
+        seen.add(name)
+        length = sum(entry["lens"])
+        if offset + length > len(view):
+            raise DeltaError(f"truncated anchor: tensor {name!r} runs past the end")
+        jobs.append((entry, dtype, shape, numel, view[offset : offset + length]))
+        width = torch.empty((), dtype=dtype).element_size()
+        digests.append((name, dtype_name(dtype), shape, numel * width, digest))
+        offset += length
+    if offset != len(view):
+        raise DeltaError(f"anchor has {len(view) - offset} trailing bytes")
+    sha = combine_digests(digests)
+    if sha != header["sha256"]:
+        raise DeltaError("anchor header's state hash does not match its tensors")
+    tensors = map_tensors(_decode_tensor, jobs, [job[3] for job in jobs])
+    return dict(sorted(zip((job[0]["name"] for job in jobs), tensors, strict=True))), sha
+
+
+def read_full(data: bytes | memoryview) -> tuple[State, str]:
+    """A full checkpoint in either format (a compressed anchor, or plain safetensors as
+    :func:`.state.encode_full` writes them): the state in name order and its state hash."""
+    if is_anchor(data):
+        return decode_anchor(data)
+    state = decode_full(bytes(data))
+    return state, state_sha256(state)
+
+
+def raw_bytes(state: Mapping[str, torch.Tensor]) -> int:
+    """The state's raw tensor bytes: what an uncompressed full checkpoint holds (headers aside)."""
+    return sum(t.numel() * t.element_size() for t in state.values())
