@@ -11,9 +11,11 @@ is one); the delta is the same either way. Each sets ``args.weights_func(args, s
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -62,16 +64,19 @@ def _add_device(parser: argparse.ArgumentParser) -> None:
 
 
 def _read_state(path: Path) -> dict[str, Any]:
-    """The state in a safetensors file, in name order (``decode_full``), so ``diff`` is reproducible."""
-    from flywheel.weights.codec.state import decode_full
+    """The state in a safetensors file, in name order (as ``diff`` codes it), held whole (``stats``)."""
+    from flywheel.weights.codec.tensorfile import TensorReader
 
-    return decode_full(path.read_bytes())
+    with TensorReader(path) as reader:
+        return {name: reader.read(name).clone() for name in sorted(reader.index)}
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    """Write ``path`` whole or not at all, through a fresh temp file beside it. The temp file's name
-    is random and created exclusively (``mkstemp``): a predictable name could be a symlink someone
-    planted in a shared folder, and writing through it would overwrite whatever it points at."""
+@contextlib.contextmanager
+def _atomic_output(path: Path) -> Iterator[int]:
+    """A file descriptor to write ``path`` through: the file appears whole when the block ends, or
+    not at all when it raises. The temp file beside it has a random name and is created exclusively
+    (``mkstemp``): a predictable name could be a symlink someone planted in a shared folder, and
+    writing through it would overwrite whatever it points at."""
     import os
     import tempfile
 
@@ -80,12 +85,25 @@ def _write_atomic(path: Path, data: bytes) -> None:
         umask = os.umask(0o022)  # the mode a plain open() would give (mkstemp's is 0600); a CLI has one thread
         os.umask(umask)
         os.fchmod(fd, 0o666 & ~umask)
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
+        yield fd
+        os.close(fd)
+        fd = -1
         os.replace(tmp, path)
     except BaseException:
+        if fd >= 0:
+            os.close(fd)
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    """Write ``path`` whole or not at all (:func:`_atomic_output`)."""
+    import os
+
+    with _atomic_output(path) as fd:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
 
 
 def _fail(message: str) -> int:
@@ -94,18 +112,18 @@ def _fail(message: str) -> int:
 
 
 def _diff(args: argparse.Namespace, _settings: Any = None) -> int:
-    from flywheel.weights.codec.delta import encode_delta, resolve_device
+    from flywheel.weights.codec.delta import resolve_device
+    from flywheel.weights.codec.streaming import diff_files
 
+    start = time.perf_counter()
     try:
         device = resolve_device(args.device)
-        old, new = _read_state(args.old), _read_state(args.new)
+        delta, summary = diff_files(args.old, args.new, device=device)
     except (ValueError, OSError) as exc:  # an unusable --device, an unreadable file (DeltaError is a ValueError)
         return _fail(str(exc))
-    start = time.perf_counter()
-    delta = encode_delta(old, new, device=device)
-    elapsed = time.perf_counter() - start
     _write_atomic(args.output, delta)
-    full = sum(t.numel() * t.element_size() for t in new.values())
+    elapsed = time.perf_counter() - start
+    full = summary["bytes_full"]
     share = 100 * len(delta) / max(full, 1)
     where = f" on {device}" if device is not None else ""
     print(f"wrote {args.output}: {len(delta):,} bytes ({share:.2f}% of {full:,}) in {elapsed:.2f}s{where}")
@@ -113,16 +131,17 @@ def _diff(args: argparse.Namespace, _settings: Any = None) -> int:
 
 
 def _apply(args: argparse.Namespace, _settings: Any = None) -> int:
-    from flywheel.weights.codec.delta import apply_delta
-    from flywheel.weights.codec.state import DeltaError, encode_full, state_sha256
+    from flywheel.weights.codec.state import DeltaError
+    from flywheel.weights.codec.streaming import apply_files
 
+    start = time.perf_counter()
     try:
-        old = _read_state(args.old)
-        new = apply_delta(old, args.delta.read_bytes())
+        delta = args.delta.read_bytes()
+        with _atomic_output(args.output) as fd:
+            sha = apply_files(args.old, delta, fd)
     except (OSError, DeltaError) as exc:
         return _fail(str(exc))
-    _write_atomic(args.output, encode_full(new))
-    print(f"wrote {args.output}: sha256 {state_sha256(new)} (verified)")
+    print(f"wrote {args.output}: sha256 {sha} (verified) in {time.perf_counter() - start:.2f}s")
     return 0
 
 

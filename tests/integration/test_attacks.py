@@ -483,16 +483,16 @@ def test_a_forged_store_key_cannot_reach_another_prefix_in_s3(stack: Stack, s3, 
 
 
 def test_weights_cli_output_is_not_written_through_a_planted_symlink(tmp_path: Path) -> None:
+    import safetensors.torch
     import torch
 
-    from flywheel.weights.codec.state import encode_full
     from launch.cli import main
 
     shared = tmp_path / "shared"  # a folder others can write to, such as /tmp
     shared.mkdir()
     old, new = tmp_path / "old.safetensors", tmp_path / "new.safetensors"
-    old.write_bytes(encode_full({"w": torch.zeros(8, dtype=torch.bfloat16)}))
-    new.write_bytes(encode_full({"w": torch.ones(8, dtype=torch.bfloat16)}))
+    old.write_bytes(safetensors.torch.save({"w": torch.zeros(8, dtype=torch.bfloat16)}))
+    new.write_bytes(safetensors.torch.save({"w": torch.ones(8, dtype=torch.bfloat16)}))
     victim = tmp_path / "victim"
     victim.write_bytes(b"someone else's file")
     out = shared / "delta.bin"

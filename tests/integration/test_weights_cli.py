@@ -7,10 +7,11 @@ import random
 from pathlib import Path
 
 import pytest
+import safetensors.torch
 import torch
 
 from flywheel.db.session import make_engine, make_session_factory, upgrade
-from flywheel.weights.codec.state import decode_full, encode_full, state_sha256
+from flywheel.weights.codec.state import state_sha256
 from flywheel.weights.registry import Registry
 from flywheel.weights.store import FolderStore
 from launch.cli import main
@@ -19,17 +20,26 @@ from tests.integration.test_registry import assert_bit_exact, make_state, train_
 pytestmark = pytest.mark.integration
 
 
+def write_file(path: Path, state: dict[str, torch.Tensor]) -> None:
+    """``state`` as a plain safetensors file, the files the command works on."""
+    path.write_bytes(safetensors.torch.save({k: v.contiguous() for k, v in state.items()}))
+
+
+def read_file(path: Path) -> dict[str, torch.Tensor]:
+    return safetensors.torch.load(path.read_bytes())
+
+
 def test_diff_apply_and_stats_on_files(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     rng = random.Random(1)
     old = make_state(rng)
     new = train_step(rng, old)
-    (tmp_path / "old.safetensors").write_bytes(encode_full(old))
-    (tmp_path / "new.safetensors").write_bytes(encode_full(new))
+    write_file(tmp_path / "old.safetensors", old)
+    write_file(tmp_path / "new.safetensors", new)
     assert main(["weights", "diff", str(tmp_path / "old.safetensors"), str(tmp_path / "new.safetensors"),
                  "-o", str(tmp_path / "d.delta")]) == 0
     assert main(["weights", "apply", str(tmp_path / "old.safetensors"), str(tmp_path / "d.delta"),
                  "-o", str(tmp_path / "out.safetensors")]) == 0
-    assert_bit_exact(decode_full((tmp_path / "out.safetensors").read_bytes()), new)
+    assert_bit_exact(read_file(tmp_path / "out.safetensors"), new)
     capsys.readouterr()
     assert main(["weights", "stats", str(tmp_path / "old.safetensors"), str(tmp_path / "new.safetensors"), "--json"]) == 0
     stats = json.loads(capsys.readouterr().out)
@@ -47,8 +57,8 @@ def test_diff_and_stats_on_a_device(tmp_path: Path, capsys: pytest.CaptureFixtur
     old = make_state(rng)
     new = train_step(rng, old)
     paths = [str(tmp_path / "old.safetensors"), str(tmp_path / "new.safetensors")]
-    (tmp_path / "old.safetensors").write_bytes(encode_full(old))
-    (tmp_path / "new.safetensors").write_bytes(encode_full(new))
+    write_file(tmp_path / "old.safetensors", old)
+    write_file(tmp_path / "new.safetensors", new)
     assert main(["weights", "diff", *paths, "-o", str(tmp_path / "cpu.delta")]) == 0
     assert main(["weights", "diff", *paths, "-o", str(tmp_path / "auto.delta"), "--device", "auto"]) == 0
     assert (tmp_path / "auto.delta").read_bytes() == (tmp_path / "cpu.delta").read_bytes()
@@ -88,10 +98,10 @@ def test_squash_and_gc_on_the_configured_registry(tmp_path: Path, capsys: pytest
     engine.dispose()
 
     assert main(["--config", str(config), "weights", "squash", "0", "3", "-o", str(tmp_path / "s.delta")]) == 0
-    (tmp_path / "v0.safetensors").write_bytes(encode_full(states[0]))
+    write_file(tmp_path / "v0.safetensors", states[0])
     assert main(["weights", "apply", str(tmp_path / "v0.safetensors"), str(tmp_path / "s.delta"),
                  "-o", str(tmp_path / "v3.safetensors")]) == 0
-    assert state_sha256(decode_full((tmp_path / "v3.safetensors").read_bytes())) == state_sha256(states[3])
+    assert state_sha256(read_file(tmp_path / "v3.safetensors")) == state_sha256(states[3])
     capsys.readouterr()
     # Every version is on stable v3's chain: nothing to collect.
     assert main(["--config", str(config), "weights", "gc", "--dry-run"]) == 0

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 import safetensors.torch
 import torch
@@ -27,32 +27,41 @@ class DeltaError(ValueError):
     """A delta (or full checkpoint) is corrupt, truncated, or does not belong to the given base."""
 
 
-def _tensor_digest(t: torch.Tensor) -> bytes:
+def tensor_digest(t: torch.Tensor) -> bytes:
+    """SHA-256 of one tensor's raw little-endian bytes: the inner level of :func:`state_sha256`."""
     return hashlib.sha256(le_bytes(element_bits(t))).digest()
+
+
+def combine_digests(entries: Iterable[tuple[str, str, tuple[int, ...], int, bytes]]) -> str:
+    """The outer level of :func:`state_sha256` from ``(name, dtype name, shape, byte count, tensor
+    digest)`` per tensor, in any order: what a reader that streams tensors one at a time (from a
+    file, from shards) computes without holding the state."""
+    h = hashlib.sha256(b"flywheel-state-v1\x00")
+    for name, dtype, shape, nbytes, digest in sorted(entries, key=lambda e: e[0]):
+        encoded_name = name.encode("utf-8")
+        dtype_bytes = dtype.encode()
+        h.update(struct.pack("<I", len(encoded_name)) + encoded_name)
+        h.update(struct.pack("<I", len(dtype_bytes)) + dtype_bytes)
+        h.update(struct.pack(f"<I{len(shape)}q", len(shape), *shape))
+        h.update(struct.pack("<Q", nbytes))
+        h.update(digest)
+    return h.hexdigest()
 
 
 def state_sha256(state: Mapping[str, torch.Tensor]) -> str:
     """Canonical SHA-256 of a state, independent of dict order and memory layout.
 
     Two levels, so that tensors hash in parallel: each tensor's raw little-endian bytes are hashed
-    on their own, then one SHA-256 covers, for every name in sorted order, the name, dtype string,
-    shape, byte count and that tensor digest. Equal states give equal hashes; any bit flip, rename,
-    dtype or shape change gives a different one.
+    on their own (:func:`tensor_digest`), then one SHA-256 covers, for every name in sorted order,
+    the name, dtype string, shape, byte count and that tensor digest (:func:`combine_digests`).
+    Equal states give equal hashes; any bit flip, rename, dtype or shape change gives a different one.
     """
-    names = sorted(state)
-    digests = map_tensors(lambda n: _tensor_digest(state[n]), names, [state[n].numel() for n in names])
-    h = hashlib.sha256(b"flywheel-state-v1\x00")
-    for name, digest in zip(names, digests, strict=True):
-        t = state[name]
-        encoded_name = name.encode("utf-8")
-        dtype = dtype_name(t.dtype).encode()
-        shape = tuple(t.shape)
-        h.update(struct.pack("<I", len(encoded_name)) + encoded_name)
-        h.update(struct.pack("<I", len(dtype)) + dtype)
-        h.update(struct.pack(f"<I{len(shape)}q", len(shape), *shape))
-        h.update(struct.pack("<Q", t.numel() * t.element_size()))
-        h.update(digest)
-    return h.hexdigest()
+    names = list(state)
+    digests = map_tensors(lambda n: tensor_digest(state[n]), names, [state[n].numel() for n in names])
+    return combine_digests(
+        (n, dtype_name(state[n].dtype), tuple(state[n].shape), state[n].numel() * state[n].element_size(), d)
+        for n, d in zip(names, digests, strict=True)
+    )
 
 
 def encode_full(state: Mapping[str, torch.Tensor]) -> bytes:

@@ -117,17 +117,23 @@ def encode_tensor(
 
 
 def decode_tensor(
-    job: tuple[dict[str, Any], memoryview, torch.Tensor | None],
+    job: tuple[dict[str, Any], memoryview, torch.Tensor | None], out: np.ndarray | None = None,
 ) -> torch.Tensor:
     """Inverse of :func:`encode_tensor` for ``(entry, its payload, the base's tensor of that name or
-    None)``: the target tensor (on the CPU), or :class:`DeltaError`."""
+    None)``: the target tensor (on the CPU), or :class:`DeltaError`. ``out``: a uint8 buffer of
+    exactly the target's bytes to build it in (a reader's reused buffer; the result views it),
+    which must not overlap the base."""
     entry, blob, old = job
     name, dtype, shape, scheme = check_entry(entry)
     numel = math.prod(shape)
+    if out is not None and out.nbytes != numel * dtype.itemsize:
+        raise DeltaError(f"tensor {name!r}: output buffer of {out.nbytes} bytes for {numel} elements of {dtype}")
     if scheme == "same":
         if old is None or old.dtype != dtype or tuple(old.shape) != shape:
             raise DeltaError(f"tensor {name!r} is marked unchanged but the base has no matching tensor")
-        return old.detach().cpu().clone()
+        if out is None:
+            return old.detach().cpu().clone()
+        return _into(out, element_bits(old), dtype, shape)
     _, dctx = zstd_contexts()
     width = dtype.itemsize
     if scheme == "full":
@@ -138,7 +144,7 @@ def decode_tensor(
             bits = unplanes(raw, width, numel)
         else:
             bits = np.frombuffer(raw, dtype=np.uint8).copy()
-        return tensor_from_bits(bits, dtype, shape)
+        return tensor_from_bits(bits, dtype, shape) if out is None else _into(out, bits, dtype, shape)
     # sparse
     if old is None or old.dtype != dtype or tuple(old.shape) != shape or width not in TORCH_VIEW:
         raise DeltaError(f"tensor {name!r} is a sparse delta but the base has no matching tensor")
@@ -178,11 +184,18 @@ def decode_tensor(
     else:
         raise DeltaError(f"{what}: unknown value coding {entry.get('values')!r}")
     old_bits = element_bits(old)
-    out = np.empty_like(old_bits)
+    new_bits = np.empty_like(old_bits) if out is None else out.view(old_bits.dtype)
     mask, sign, full = width_consts(width)
     t1, t2, _ = kernel_thresholds(thresholds)
     narrow = old_bits.dtype.type
-    if not nb_apply(old_bits, out, narrow(t1), narrow(t2), narrow(mask), ranks, starts, steps,
+    if not nb_apply(old_bits, new_bits, narrow(t1), narrow(t2), narrow(mask), ranks, starts, steps,
                     dtype.is_floating_point, sign, full):
         raise DeltaError(f"tensor {name!r}: change position out of range")
-    return tensor_from_bits(out, dtype, shape)
+    return tensor_from_bits(new_bits, dtype, shape)
+
+
+def _into(out: np.ndarray, bits: np.ndarray, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """``bits`` copied into the uint8 buffer ``out``, as a tensor of ``dtype`` and ``shape``."""
+    view = out.view(bits.dtype)
+    np.copyto(view, bits.reshape(-1))
+    return tensor_from_bits(view, dtype, shape)

@@ -1,0 +1,204 @@
+"""Safetensors files read and written one tensor at a time, so memory never holds a whole state.
+
+:class:`TensorReader` parses a file's header (checked: a bad file raises :class:`.state.DeltaError`,
+a ``ValueError``) and maps one tensor at a time (threads may map at once; a tensor's pages leave
+the process when its block ends, so they never add up to the file). :class:`TensorWriter` lays
+out a file from the tensors' names, dtypes and shapes first, then takes each tensor's bytes in any
+order, from any thread (``pwrite`` at its offset). Together they are what a delta between two
+100 GB files needs: peak memory is a few of the largest tensors, whatever the model's size.
+
+The format (https://github.com/huggingface/safetensors): ``u64`` little-endian header length, a
+JSON header mapping names to ``{"dtype", "shape", "data_offsets": [begin, end]}`` (offsets into the
+data after the header; ``__metadata__`` a string map), then the data. Files written here pad the
+header with spaces to a multiple of 8 bytes, as the reference writer does. Little-endian hosts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import mmap
+import os
+import struct
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from flywheel.weights.codec.state import DeltaError
+
+#: safetensors dtype names and the torch dtypes they are.
+DTYPES: dict[str, torch.dtype] = {
+    "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "U16": torch.uint16,
+    "I32": torch.int32, "U32": torch.uint32, "I64": torch.int64, "U64": torch.uint64,
+    "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "C64": torch.complex64,
+}
+_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+# A header larger than this is not a checkpoint's.
+_HEADER_LIMIT = 100 << 20
+# Linux moves at most this many bytes in one write call.
+_IO_CHUNK = 1 << 30
+_LOCAL = threading.local()
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor of a file: where its bytes are (``offset`` from the file's start)."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+def scratch(nbytes: int) -> np.ndarray:
+    """This thread's reusable buffer, ``nbytes`` long (grown, never shrunk): where a decoder builds
+    a tensor before it is written out."""
+    buf = getattr(_LOCAL, "scratch", None)
+    if buf is None or buf.size < nbytes:
+        _LOCAL.scratch = None  # free the old one before taking the new
+        buf = _LOCAL.scratch = np.empty(nbytes, dtype=np.uint8)
+    return buf[:nbytes]
+
+
+def release_scratch() -> None:
+    """Free this thread's buffer (a long-lived process after a big job)."""
+    _LOCAL.scratch = None
+
+
+class TensorReader:
+    """The tensors of one safetensors file, read on demand; ``index`` maps names to :class:`TensorInfo`."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = os.fspath(path)
+        self._fd = os.open(self.path, os.O_RDONLY)
+        try:
+            self.index, self.metadata = self._parse(os.fstat(self._fd).st_size)
+        except BaseException:
+            os.close(self._fd)
+            raise
+
+    def __enter__(self) -> TensorReader:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def _parse(self, size: int) -> tuple[dict[str, TensorInfo], dict[str, str]]:
+        what = f"{self.path}: not a safetensors file"
+        head = os.pread(self._fd, 8, 0)
+        if len(head) < 8:
+            raise DeltaError(f"{what} (shorter than its header length)")
+        (length,) = struct.unpack("<Q", head)
+        if length > min(_HEADER_LIMIT, size - 8):
+            raise DeltaError(f"{what} (header of {length} bytes in a file of {size})")
+        try:
+            header = json.loads(os.pread(self._fd, length, 8).decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise DeltaError(f"{what} ({exc})") from exc
+        if not isinstance(header, dict):
+            raise DeltaError(f"{what} (header is not an object)")
+        metadata = header.pop("__metadata__", None) or {}
+        data = 8 + length
+        index: dict[str, TensorInfo] = {}
+        for name, spec in header.items():
+            try:
+                dtype = DTYPES[spec["dtype"]]
+                shape = tuple(int(d) for d in spec["shape"])
+                begin, end = (int(x) for x in spec["data_offsets"])
+            except (KeyError, TypeError, ValueError) as exc:
+                raise DeltaError(f"{what} (entry {name!r}: {exc!r})") from exc
+            nbytes = math.prod(shape) * dtype.itemsize
+            if any(d < 0 for d in shape) or not 0 <= begin <= end <= size - data or end - begin != nbytes:
+                raise DeltaError(f"{what} (entry {name!r}: offsets {begin}..{end} for {nbytes} bytes "
+                                 f"of data {size - data} long)")
+            index[name] = TensorInfo(name, dtype, shape, data + begin, nbytes)
+        return index, metadata if isinstance(metadata, dict) else {}
+
+    @contextlib.contextmanager
+    def view(self, name: str) -> Iterator[torch.Tensor]:
+        """Tensor ``name`` over a private mapping of its bytes (no copy), valid inside the block;
+        its pages leave the process's memory when the block ends."""
+        info = self.index[name]
+        if info.nbytes == 0:
+            yield torch.empty(info.shape, dtype=info.dtype)
+            return
+        start = info.offset - info.offset % mmap.ALLOCATIONGRANULARITY
+        mapping = mmap.mmap(self._fd, info.offset + info.nbytes - start, access=mmap.ACCESS_COPY, offset=start)
+        try:
+            flat = np.frombuffer(mapping, dtype=np.uint8, count=info.nbytes, offset=info.offset - start)
+            yield torch.from_numpy(flat).view(info.dtype).reshape(info.shape)
+        finally:
+            del flat
+            try:
+                mapping.close()
+            except BufferError:  # the caller kept a view: drop the pages at least (they refault from the file)
+                mapping.madvise(mmap.MADV_DONTNEED)
+
+    def read(self, name: str) -> torch.Tensor:
+        """Tensor ``name``, copied into memory of its own."""
+        with self.view(name) as t:
+            return t.clone()
+
+
+class TensorWriter:
+    """A safetensors file laid out from ``(name, dtype, shape)`` in that order; :meth:`write` each
+    tensor once, in any order and from any thread; :meth:`close` checks every one was written."""
+
+    def __init__(self, fd: int, layout: list[tuple[str, torch.dtype, tuple[int, ...]]],
+                 metadata: dict[str, str] | None = None) -> None:
+        header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
+        self._at: dict[str, tuple[int, int]] = {}
+        offset = 0
+        for name, dtype, shape in layout:
+            if dtype not in _NAMES:
+                raise DeltaError(f"tensor {name!r}: dtype {dtype} has no safetensors name")
+            nbytes = math.prod(shape) * dtype.itemsize
+            header[name] = {"dtype": _NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+            self._at[name] = (offset, nbytes)
+            offset += nbytes
+        text = json.dumps(header, separators=(",", ":")).encode()
+        text += b" " * (-len(text) % 8)
+        self._fd = fd
+        self._data = 8 + len(text)
+        self._pending = set(self._at)
+        self._lock = threading.Lock()
+        self.size = self._data + offset
+        _write_all(fd, struct.pack("<Q", len(text)) + text, 0)
+        os.ftruncate(fd, self.size)
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        offset, nbytes = self._at[name]
+        t = tensor.detach().cpu().contiguous()
+        if t.numel() * t.element_size() != nbytes:
+            raise DeltaError(f"tensor {name!r}: {t.numel() * t.element_size()} bytes where the layout has {nbytes}")
+        if nbytes:
+            _write_all(self._fd, memoryview(t.reshape(-1).view(torch.uint8).numpy()), self._data + offset)
+        with self._lock:
+            self._pending.discard(name)
+
+    def close(self) -> None:
+        if self._pending:
+            raise DeltaError(f"{len(self._pending)} tensor(s) never written, e.g. {sorted(self._pending)[0]!r}")
+
+
+def _write_all(fd: int, data: bytes | memoryview, offset: int) -> None:
+    view = memoryview(data).cast("B")
+    done = 0
+    while done < len(view):
+        done += os.pwrite(fd, view[done : done + _IO_CHUNK], offset + done)
