@@ -39,7 +39,9 @@ LINE = "bench-rollout"
 
 
 def cache_bytes(folder: Path) -> int:
-    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file() and ".locks" not in p.parts)
+    # Objects only: not the locks nor the pull ledger (hidden names, see flywheel.weights.store).
+    return sum(p.stat().st_size for p in folder.rglob("*")
+               if p.is_file() and not any(part.startswith(".") for part in p.relative_to(folder).parts))
 
 
 def synthetic_step(state: dict[str, torch.Tensor], changed: float, seed: int) -> dict[str, torch.Tensor]:
