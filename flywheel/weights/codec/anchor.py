@@ -2,7 +2,8 @@
 
 A registry's full versions (version 0 and every ``full_every``-th) are what a new node fetches
 whole, so they dominate a chain's cost; raw safetensors spend 16 bits on a bf16 weight whose
-exponent carries ~2.5 bits of information. Format version 1, all integers little-endian::
+exponent carries ~2.5 bits of information. Format version 1, all integers little-endian (the
+framing is :mod:`.framing`'s, shared with deltas)::
 
     MAGIC (8 bytes) | u16 format version | u32 header length | zstd(header JSON, UTF-8) | blobs
 
@@ -34,8 +35,6 @@ versions stored before anchors were compressed).
 from __future__ import annotations
 
 import hashlib
-import json
-import struct
 import threading
 from collections.abc import Mapping
 from typing import Any
@@ -44,6 +43,7 @@ import numpy as np
 import torch
 import zstandard
 
+from flywheel.weights.codec import framing
 from flywheel.weights.codec.bitview import UINT, dtype_name, element_bits, le_bytes, tensor_from_bits
 from flywheel.weights.codec.planes import coding_of, cut_streams, escape_count, exponent_base, join_streams, stream_count
 from flywheel.weights.codec.state import DeltaError, State, combine_digests, decode_full, state_sha256
@@ -52,15 +52,14 @@ from flywheel.weights.codec.workers import map_tensors
 
 MAGIC = b"FWANCHOR"
 FORMAT_VERSION = 1
-#: After the magic: the format version and the header's length.
-PREFIX = struct.Struct("<HI")
+#: After the magic: the format version and the header's length (:mod:`.framing`).
+PREFIX = framing.PREFIX
 #: zstd level of the streams (the module docstring says why not 3).
 PLANE_LEVEL = 1
 #: zstd level of the header (small; names repeat).
 HEADER_LEVEL = 3
 # A plane is only tried with zstd when a sample of this many bytes saves at least 1/64 of itself.
 _PROBE_BYTES = 1 << 16
-_HEADER_LIMIT = 1 << 28
 # No zstd frame holds more than this many bytes per stored byte (an RLE block: 4 bytes for 128 KiB),
 # so a frame that claims more is corrupt: refused before anything is allocated.
 _ZSTD_MAX_RATIO = 1 << 15
@@ -118,8 +117,8 @@ def encode_anchor(state: Mapping[str, torch.Tensor]) -> bytes:
                            state[n].numel() * state[n].element_size(), digest)
                           for n, (_, _, digest) in zip(names, coded, strict=True))
     header = {"sha256": sha, "tensors": [entry for entry, _, _ in coded]}
-    head = zstandard.ZstdCompressor(level=HEADER_LEVEL).compress(json.dumps(header, separators=(",", ":")).encode())
-    return b"".join([MAGIC, PREFIX.pack(FORMAT_VERSION, len(head)), head, *(b for _, blobs, _ in coded for b in blobs)])
+    head = framing.frame_header(MAGIC, FORMAT_VERSION, header, HEADER_LEVEL)
+    return b"".join([head, *(b for _, blobs, _ in coded for b in blobs)])
 
 
 # --- decode ------------------------------------------------------------------------------------
@@ -167,24 +166,11 @@ def _check_entry(entry: Any) -> tuple[str, torch.dtype, tuple[int, ...], int, by
 
 def read_anchor_header(data: bytes | memoryview) -> tuple[dict[str, Any], int]:
     """Parse and check an anchor's prefix and header; returns the header and the blobs' offset."""
-    view = memoryview(data)
-    if len(view) < len(MAGIC) + PREFIX.size or not is_anchor(view):
-        raise DeltaError("not a flywheel anchor (bad magic or too short)")
-    version, head_len = PREFIX.unpack_from(view, len(MAGIC))
-    if version != FORMAT_VERSION:
-        raise DeltaError(f"unsupported anchor format version {version} (this build reads {FORMAT_VERSION})")
-    start = len(MAGIC) + PREFIX.size
-    if start + head_len > len(view):
-        raise DeltaError("truncated anchor: header runs past the end")
-    text = decompress(view[start : start + head_len], zstandard.ZstdDecompressor(), _HEADER_LIMIT, "anchor header")
-    try:
-        header = json.loads(text.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise DeltaError(f"corrupt anchor header: {exc}") from exc
+    header, offset = framing.read_framed_header(data, MAGIC, FORMAT_VERSION, "anchor")
     if not isinstance(header, dict) or not isinstance(header.get("sha256"), str) \
             or not isinstance(header.get("tensors"), list):
         raise DeltaError("corrupt anchor header: no sha256 or tensors")
-    return header, start + head_len
+    return header, offset
 
 
 def _decode_plane(blob: memoryview, coded: bool, size: int, what: str) -> np.ndarray:

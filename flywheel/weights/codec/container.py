@@ -1,6 +1,6 @@
 """The delta container (format version 3): its framing, its header, and the checks of each entry.
 
-All integers little-endian::
+All integers little-endian (the framing is :mod:`.framing`'s, shared with anchors)::
 
     MAGIC (8 bytes) | u16 format version | u32 header length | zstd(header JSON, UTF-8) | payload
 
@@ -35,25 +35,20 @@ This module frames and parses; :mod:`.tensor_coding` writes and reads each tenso
 
 from __future__ import annotations
 
-import json
-import struct
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import zstandard
 
+from flywheel.weights.codec import framing
 from flywheel.weights.codec.state import DeltaError
-from flywheel.weights.codec.streams import decompress
 from flywheel.weights.codec.workers import ZSTD_LEVEL
 
 MAGIC = b"FWDELTA\x00"
 FORMAT_VERSION = 3
-#: After the magic: the format version and the header's length.
-PREFIX = struct.Struct("<HI")
-# The decoded header JSON may not be larger than this.
-_HEADER_LIMIT = 1 << 28
+#: After the magic: the format version and the header's length (:mod:`.framing`).
+PREFIX = framing.PREFIX
 
 
 @dataclass(frozen=True)
@@ -66,39 +61,28 @@ class DeltaHeader:
 
 def header_bytes(header: dict[str, Any]) -> bytes:
     """The container's header: compact JSON, zstd coded (tensor names and keys repeat)."""
-    return zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(json.dumps(header, separators=(",", ":")).encode())
+    return framing.header_bytes(header, ZSTD_LEVEL)
 
 
 def pack_container(header: dict[str, Any], payloads: Iterable[bytes]) -> bytes:
     """A whole delta: the prefix, ``header`` (``base_sha256``, ``target_sha256``, ``tensors``) and
     the tensors' payload blobs in header order."""
-    head = header_bytes(header)
-    return b"".join([MAGIC, PREFIX.pack(FORMAT_VERSION, len(head)), head, *payloads])
+    return b"".join([framing.frame_header(MAGIC, FORMAT_VERSION, header, ZSTD_LEVEL), *payloads])
 
 
 def read_delta_header(delta: bytes | memoryview) -> tuple[DeltaHeader, int]:
     """Parse and check the container prefix and header; returns it and the payload offset."""
-    view = memoryview(delta)
-    if len(view) < len(MAGIC) + PREFIX.size or bytes(view[: len(MAGIC)]) != MAGIC:
-        raise DeltaError("not a flywheel delta (bad magic or too short)")
-    version, head_len = PREFIX.unpack_from(view, len(MAGIC))
-    if version != FORMAT_VERSION:
-        raise DeltaError(f"unsupported delta format version {version} (this build reads {FORMAT_VERSION})")
-    start = len(MAGIC) + PREFIX.size
-    if start + head_len > len(view):
-        raise DeltaError("truncated delta: header runs past the end")
-    text = decompress(view[start : start + head_len], zstandard.ZstdDecompressor(), _HEADER_LIMIT, "delta header")
+    header, offset = framing.read_framed_header(delta, MAGIC, FORMAT_VERSION, "delta")
     try:
-        header = json.loads(text.decode("utf-8"))
         parsed = DeltaHeader(
-            format_version=version,
+            format_version=FORMAT_VERSION,
             base_sha256=str(header["base_sha256"]),
             target_sha256=str(header["target_sha256"]),
             tensors=list(header["tensors"]),
         )
-    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as exc:
+    except (KeyError, TypeError) as exc:
         raise DeltaError(f"corrupt delta header: {exc}") from exc
-    return parsed, start + head_len
+    return parsed, offset
 
 
 def _parse_dtype(name: Any) -> torch.dtype:
