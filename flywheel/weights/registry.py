@@ -60,7 +60,7 @@ from flywheel.db.models import ModelVersion, Node, VersionTransition
 from flywheel.weights.codec.anchor import encode_anchor, raw_bytes, read_full
 from flywheel.weights.codec.container import read_delta_header
 from flywheel.weights.codec.delta import apply_delta, encode_delta_with_summary
-from flywheel.weights.codec.state import DeltaError, state_sha256
+from flywheel.weights.codec.state import DeltaError, state_sha256, tensor_digests
 from flywheel.weights.codec.stats import count_changed
 from flywheel.weights.store import RegionalCache, Store, StoreError, validate_key
 
@@ -439,7 +439,8 @@ class Registry:
         ``parent_state`` must be the parent's weights (checked by hash); it is loaded from the
         registry when omitted.
         """
-        sha = state_sha256(state)
+        digests = tensor_digests(state)  # each tensor hashed once: for the state's hash and a full version's anchor
+        sha = state_sha256(state, digests)
         full_bytes = raw_bytes(state)
         anchor_blob: bytes | None = None
         parent_sha: str | None = None
@@ -468,7 +469,7 @@ class Registry:
                 and self._delta_pays(parent, len(delta_blob), full_bytes)
             kind = "delta" if pays else "full"
             if kind == "full" and anchor_blob is None:
-                anchor_blob = encode_anchor(state)
+                anchor_blob = encode_anchor(state, digests)
             data = delta_blob if kind == "delta" else anchor_blob
             assert data is not None
             key = f"{self.model_line}/v{version:08d}-{secrets.token_hex(4)}.{kind}"

@@ -16,7 +16,7 @@ import zstandard
 
 from flywheel.weights.codec import anchor, planes
 from flywheel.weights.codec.anchor import decode_anchor, encode_anchor, read_anchor_header, read_full
-from flywheel.weights.codec.state import DeltaError, combine_digests, encode_full, state_sha256
+from flywheel.weights.codec.state import DeltaError, combine_digests, encode_full, state_sha256, tensor_digests
 from tests.unit.test_codec import INT_VIEW, SHAPES, SPECIALS, gen, random_state
 
 pytestmark = pytest.mark.unit
@@ -256,3 +256,20 @@ def test_planes_and_streams_round_trip_on_random_bytes_across_blocks(rng: random
         if coding != "bytes":
             assert streams[0].size == (count + 1) // 2 and streams[1].size == planes.escape_count(streams[0], count)
         assert np.array_equal(planes.join_streams(streams, coding, width, count, base), le)
+
+
+def test_digests_the_caller_already_has_make_the_same_anchor_and_are_checked_on_read() -> None:
+    """``encode_anchor(state, digests)`` skips hashing (a full publish hashes each tensor once) and
+    writes the very bytes it would have hashed itself; digests that do not fit are refused, and a
+    wrong one makes an anchor no read accepts."""
+    g = torch.Generator().manual_seed(random.getrandbits(63))
+    state = {"w": torch.randn(257, 33, generator=g).bfloat16(), "b": torch.randn(9, generator=g), "e": torch.zeros(0)}
+    digests = tensor_digests(state)
+    blob = encode_anchor(state, digests)
+    assert blob == encode_anchor(state)
+    assert decode_anchor(blob)[1] == state_sha256(state, digests) == state_sha256(state)
+    for bad in ({"w": digests["w"]}, {**digests, "x": digests["w"]}, {**digests, "b": b"\x00" * 31}):
+        with pytest.raises(ValueError, match="digests"):
+            encode_anchor(state, bad)
+    with pytest.raises(DeltaError, match="digest"):
+        decode_anchor(encode_anchor(state, {**digests, "b": digests["w"]}))

@@ -92,7 +92,9 @@ def _code_plane(plane: np.ndarray, cctx: zstandard.ZstdCompressor) -> tuple[byte
 # --- encode ------------------------------------------------------------------------------------
 
 
-def _encode_tensor(name: str, t: torch.Tensor) -> tuple[dict[str, Any], list[bytes | np.ndarray], bytes]:
+def _encode_tensor(name: str, t: torch.Tensor, digest: bytes | None) -> tuple[dict[str, Any], list[bytes | np.ndarray], bytes]:
+    """One tensor's header entry, its streams and its digest (``digest``, when the caller already
+    has it: :func:`.state.tensor_digest` of ``t``)."""
     le = np.frombuffer(le_bytes(element_bits(t)), dtype=np.uint8)
     coding, width, cctx = coding_of(t.dtype), t.element_size(), _contexts()[0]
     extra = {"base": exponent_base(le, coding, width)} if coding != "bytes" else {}
@@ -101,18 +103,27 @@ def _encode_tensor(name: str, t: torch.Tensor) -> tuple[dict[str, Any], list[byt
         blob, coded = _code_plane(plane, cctx)
         blobs.append(blob)
         flags.append(coded)
-    digest = hashlib.sha256(le).digest()
+    if digest is None:
+        digest = hashlib.sha256(le).digest()
     entry = {"name": name, "dtype": dtype_name(t.dtype), "shape": list(t.shape), "coding": coding,
              "digest": digest.hex(), **extra, "lens": [len(b) if isinstance(b, bytes) else b.size for b in blobs],
              "zstd": flags}
     return entry, blobs, digest
 
 
-def encode_anchor(state: Mapping[str, torch.Tensor]) -> bytes:
+def encode_anchor(state: Mapping[str, torch.Tensor], digests: Mapping[str, bytes] | None = None) -> bytes:
     """``state`` as a compressed anchor (tensors in name order; any device, any layout; tensors that
-    share storage are coded separately)."""
+    share storage are coded separately).
+
+    ``digests``: every tensor's :func:`.state.tensor_digest` by name, when the caller already hashed
+    the state (:func:`.state.tensor_digests`), so no tensor is hashed twice; they are trusted as
+    given (a wrong one makes an anchor that every read refuses). Without them each tensor is hashed
+    here, from the bytes being coded."""
     names = sorted(state)
-    coded = map_tensors(lambda n: _encode_tensor(n, state[n]), names, [state[n].numel() for n in names])
+    if digests is not None and (set(digests) != set(names) or any(len(digests[n]) != 32 for n in names)):
+        raise ValueError("digests must hold one 32-byte SHA-256 for every tensor of the state")
+    coded = map_tensors(lambda n: _encode_tensor(n, state[n], None if digests is None else digests[n]),
+                        names, [state[n].numel() for n in names])
     sha = combine_digests((n, dtype_name(state[n].dtype), tuple(state[n].shape),
                            state[n].numel() * state[n].element_size(), digest)
                           for n, (_, _, digest) in zip(names, coded, strict=True))

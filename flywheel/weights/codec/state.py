@@ -48,19 +48,27 @@ def combine_digests(entries: Iterable[tuple[str, str, tuple[int, ...], int, byte
     return h.hexdigest()
 
 
-def state_sha256(state: Mapping[str, torch.Tensor]) -> str:
+def tensor_digests(state: Mapping[str, torch.Tensor]) -> dict[str, bytes]:
+    """Every tensor's :func:`tensor_digest` by name, hashed in parallel: what :func:`state_sha256`
+    combines, and what an anchor records per tensor (:func:`.anchor.encode_anchor` takes them)."""
+    names = list(state)
+    digests = map_tensors(lambda n: tensor_digest(state[n]), names, [state[n].numel() for n in names])
+    return dict(zip(names, digests, strict=True))
+
+
+def state_sha256(state: Mapping[str, torch.Tensor], digests: Mapping[str, bytes] | None = None) -> str:
     """Canonical SHA-256 of a state, independent of dict order and memory layout.
 
     Two levels, so that tensors hash in parallel: each tensor's raw little-endian bytes are hashed
     on their own (:func:`tensor_digest`), then one SHA-256 covers, for every name in sorted order,
     the name, dtype string, shape, byte count and that tensor digest (:func:`combine_digests`).
     Equal states give equal hashes; any bit flip, rename, dtype or shape change gives a different one.
+    ``digests``: the state's :func:`tensor_digests` when the caller already has them (trusted).
     """
-    names = list(state)
-    digests = map_tensors(lambda n: tensor_digest(state[n]), names, [state[n].numel() for n in names])
+    if digests is None:
+        digests = tensor_digests(state)
     return combine_digests(
-        (n, dtype_name(state[n].dtype), tuple(state[n].shape), state[n].numel() * state[n].element_size(), d)
-        for n, d in zip(names, digests, strict=True)
+        (n, dtype_name(t.dtype), tuple(t.shape), t.numel() * t.element_size(), digests[n]) for n, t in state.items()
     )
 
 
