@@ -40,7 +40,8 @@ Invariants:
   ``collected``, audited) so version numbers and the audit log stay whole.
 - :meth:`Registry.squash` encodes one delta between any two versions, verified like a publish.
 - :meth:`Registry.shipped` reports, read-only, the bytes a node moving to each version fetches,
-  the average over its chain, and what each region's cache recorded pulling.
+  the average over its chain, and what each region's cache recorded pulling
+  (:mod:`flywheel.weights.shipping` adds them up).
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ from flywheel.weights.codec.container import read_delta_header
 from flywheel.weights.codec.delta import apply_delta, encode_delta_with_summary
 from flywheel.weights.codec.state import DeltaError, state_sha256, tensor_digests
 from flywheel.weights.codec.stats import count_changed
+from flywheel.weights.shipping import ShippedBytes, shipped_bytes
 from flywheel.weights.store import RegionalCache, Store, StoreError, validate_key
 
 State = dict[str, torch.Tensor]
@@ -126,39 +128,6 @@ class VersionInfo:
     metrics: dict[str, Any]
     status: str
     created_at: datetime
-
-
-@dataclass(frozen=True)
-class ShippedBytes:
-    """What moving a node to one version costs in object bytes (:meth:`Registry.shipped`).
-
-    ``bytes``: the object a node that holds ``parent`` fetches (the delta, or for a full version
-    its stored anchor, compressed or not); ``chain_bytes``: every object from the chain's anchor
-    (``anchor``) through this version, what a node holding none of them fetches; ``chain_average``:
-    ``chain_bytes`` per version of that chain (``chain_length`` versions, the anchor included);
-    ``regions``: bytes each given region's cache recorded pulling from the origin for this version's
-    object (0: not pulled there, or pulled before the ledger existed)."""
-
-    version: int
-    kind: str
-    parent: int | None
-    bytes: int
-    full_bytes: int
-    anchor: int
-    chain_length: int
-    chain_bytes: int
-    chain_average: float
-    regions: dict[str, int]
-
-    @property
-    def pct_of_full(self) -> float:
-        """``bytes`` as a percentage of the uncompressed state."""
-        return 100.0 * self.bytes / max(self.full_bytes, 1)
-
-    @property
-    def chain_average_pct(self) -> float:
-        """``chain_average`` as a percentage of the uncompressed state."""
-        return 100.0 * self.chain_average / max(self.full_bytes, 1)
 
 
 def _utc(value: datetime) -> datetime:
@@ -277,27 +246,13 @@ class Registry:
             ]
 
     def shipped(self, regions: Mapping[str, RegionalCache] | None = None) -> list[ShippedBytes]:
-        """Bytes shipped per version, oldest first (read-only; see :class:`ShippedBytes`).
+        """Bytes shipped per version, oldest first (read-only; :func:`.shipping.shipped_bytes`).
 
         ``regions`` maps a region's name to its cache (a :class:`RegionalCache` over this store);
-        by default the registry's own store when it reads through one. A chain that breaks (a
-        missing parent) starts anew at the version after the break."""
+        by default the registry's own store when it reads through one."""
         if regions is None:
             regions = {self.store.region: self.store} if isinstance(self.store, RegionalCache) else {}
-        pulled = {name: cache.pulled() for name, cache in regions.items()}
-        out: list[ShippedBytes] = []
-        chains: dict[int, tuple[int, int, int]] = {}  # version -> (anchor, length, bytes) of its chain
-        for info in self.versions():
-            up = chains.get(info.parent) if info.kind == "delta" and info.parent is not None else None
-            anchor, length, total = (up[0], up[1] + 1, up[2] + info.bytes) if up else (info.version, 1, info.bytes)
-            chains[info.version] = (anchor, length, total)
-            out.append(ShippedBytes(
-                version=info.version, kind=info.kind, parent=info.parent, bytes=info.bytes,
-                full_bytes=info.full_bytes, anchor=anchor, chain_length=length, chain_bytes=total,
-                chain_average=total / length,
-                regions={name: keys.get(info.store_key, 0) for name, keys in pulled.items()},
-            ))
-        return out
+        return shipped_bytes(self.versions(), regions)
 
     # --- status --------------------------------------------------------------------------------
 
