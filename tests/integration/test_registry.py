@@ -47,6 +47,17 @@ def train_step(rng: random.Random, state: dict[str, torch.Tensor], fraction: flo
     return out
 
 
+def publish_chain(registry: Registry, rng: random.Random, n: int) -> list[dict[str, torch.Tensor]]:
+    """Publish ``n`` versions on ``registry``: a fresh state as v0, then each a :func:`train_step` of
+    the one before, published on it (its weights handed over); returns the states, oldest first."""
+    states = [make_state(rng)]
+    registry.publish(states[0], parent=None)
+    for v in range(1, n):
+        states.append(train_step(rng, states[-1]))
+        registry.publish(states[v], parent=v - 1, parent_state=states[v - 1])
+    return states
+
+
 def assert_bit_exact(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
     assert state_sha256(got) == state_sha256(want)
     assert sorted(got) == sorted(want)
@@ -142,11 +153,7 @@ def test_statuses_and_audit_trail(sessions, store, rng: random.Random) -> None:
 
 def test_corrupt_or_missing_objects_fail_loudly(sessions, store, rng: random.Random) -> None:
     registry = Registry(sessions, store, "line-c", full_every=10)
-    states = [make_state(rng)]
-    registry.publish(states[0], parent=None)
-    for v in range(1, 4):
-        states.append(train_step(rng, states[-1]))
-        registry.publish(states[v], parent=v - 1, parent_state=states[v - 1])
+    states = publish_chain(registry, rng, 4)
 
     key2 = registry.get(2).store_key
     data = bytearray(store.get(key2))

@@ -15,7 +15,7 @@ from flywheel.weights.codec.anchor import is_anchor, raw_bytes
 from flywheel.weights.codec.state import encode_full, state_sha256
 from flywheel.weights.registry import Registry, WeightsError
 from flywheel.weights.store import FolderStore, RegionalCache
-from tests.integration.test_registry import assert_bit_exact, make_state, train_step
+from tests.integration.test_registry import assert_bit_exact, make_state, publish_chain, train_step
 
 pytestmark = pytest.mark.integration
 
@@ -66,11 +66,7 @@ def test_a_full_version_stored_as_safetensors_still_loads_and_anchors_its_chain(
 def test_bytes_shipped_per_version_chain_and_region(sessions, tmp_path: Path, rng: random.Random) -> None:
     origin = FolderStore(tmp_path / "origin")
     registry = Registry(sessions, origin, "line-ship", full_every=4)
-    states = [make_state(rng)]
-    registry.publish(states[0], parent=None)
-    for v in range(1, 6):
-        states.append(train_step(rng, states[-1]))
-        registry.publish(states[v], parent=v - 1, parent_state=states[v - 1])
+    publish_chain(registry, rng, 6)
     infos = registry.versions()
     assert [i.kind for i in infos] == ["full", "delta", "delta", "delta", "full", "delta"]
 
