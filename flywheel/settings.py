@@ -458,6 +458,16 @@ class RolloutSettings(_Section):
     parity_max: float = Field(0.05, gt=0)
 
 
+#: The topics each consuming stage reads (short names, ``Settings.topic`` adds the prefix), in the
+#: order it subscribes to them, under its group ``Settings.group(stage)``: the one table the workers
+#: and the operator's lag view (``flywheel.bus.base.stage_lags``) share.
+STAGE_TOPICS: dict[str, tuple[str, ...]] = {
+    "ingest": ("generations", "feedback"),
+    "rewards": ("trajectories",),
+    "trainer": ("scored",),
+}
+
+
 class Settings(BaseSettings):
     """The root settings object; build it with :func:`load_settings`."""
 
@@ -526,6 +536,11 @@ class Settings(BaseSettings):
         prefix: deployments sharing a cluster under different prefixes never share a group (a group
         rebalances all its members together, whatever topics they read)."""
         return f"{self.bus.topic_prefix}{stage}"
+
+    def stage_topics(self, stage: str) -> list[str]:
+        """Full names of the topics a consuming stage (``ingest``, ``rewards``, ``trainer``) reads
+        with its group (:data:`STAGE_TOPICS`), in the order it subscribes to them."""
+        return [self.topic(name) for name in STAGE_TOPICS[stage]]
 
 
 _READ_ENV: contextvars.ContextVar[bool] = contextvars.ContextVar("flywheel_read_env", default=True)

@@ -422,7 +422,7 @@ def run(settings: Settings, stop: threading.Event | None = None) -> None:
     engine = open_database(settings.database_url, settings.db.wait_s)
     sessions = make_session_factory(engine)
     bus = make_bus(settings)
-    topics = [settings.topic("generations"), settings.topic("feedback")]
+    topics = settings.stage_topics("ingest")
     bus.ensure_topics([*topics, settings.topic("trajectories")])
     consumer = bus.consumer(consumer_group(settings), topics)
     producer = bus.producer()

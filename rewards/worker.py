@@ -189,16 +189,16 @@ def run(settings: Settings, stop: threading.Event | None = None) -> None:
     normaliser: Normaliser | None
     normaliser, restored = _prepare(sessions, spec, settings.rewards.restore_rows)
     bus = make_bus(settings)
-    source, topic = settings.topic("trajectories"), settings.topic("scored")
-    bus.ensure_topics([source, topic])
-    consumer = bus.consumer(settings.group("rewards"), [source])
+    sources, topic = settings.stage_topics("rewards"), settings.topic("scored")
+    bus.ensure_topics([*sources, topic])
+    consumer = bus.consumer(settings.group("rewards"), sources)
     producer = bus.producer()
     counters: Counter[str] = Counter()
     # `flywheel health rewards`: beats every turn and every scored trajectory
     heartbeat = Beat(settings, "rewards", counters=counters)
     outages = OutageWait(settings.database_url, settings.db.wait_s)
     log.info("rewards scoring %s with spec %s (%s; normalisation restored from %d rows)",
-             source, spec.version, spec.sha256[:12], restored)
+             ", ".join(sources), spec.version, spec.sha256[:12], restored)
     try:
         while not stop.is_set():
             heartbeat.beat()

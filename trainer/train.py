@@ -209,9 +209,9 @@ def _train(settings: Settings, stop: threading.Event, dist: Dist) -> None:
     last_publish = time.monotonic()
 
     bus = make_bus(settings)
-    topic = settings.topic("scored")
-    bus.ensure_topics([topic])
-    consumer = bus.consumer(settings.group("trainer"), [topic])
+    topics = settings.stage_topics("trainer")
+    bus.ensure_topics(topics)
+    consumer = bus.consumer(settings.group("trainer"), topics)
     scored_rows = make_session_factory(engine)  # what rewards stored: ``vet``'s provenance check
     log.info("training %s (%s, %s, %d rank(s) %s on %s) from v%d (step %d), lr=%g, batch %d",
              settings.model.line, cfg.mode,

@@ -20,6 +20,12 @@ Semantics both backends guarantee, checked by one conformance suite (tests/integ
   group: the next ``poll`` returns what a restart would read (the uncommitted records again, in
   order). A worker that dropped its in-memory state (a database outage) resumes crash-equivalently
   while keeping its partitions, with no rebalance.
+- ``lag(group, topics)`` counts, per topic, the records the group has not committed: the sum over
+  partitions of the log end offset minus the committed offset (or minus the partition's earliest
+  offset where the group committed nothing, where its consumer would start). It only reads
+  offsets: it joins no group, moves no partition and commits nothing, so the group's members go on
+  as if it had not been called. It reads the committed offsets before the ends, so a commit racing
+  it never makes a lag negative. :func:`stage_lags` asks it for every consuming stage.
 - A ``Consumer`` belongs to one thread; a ``Producer`` too.
 """
 
@@ -28,7 +34,12 @@ from __future__ import annotations
 import logging
 from collections.abc import MutableMapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+from flywheel.settings import STAGE_TOPICS
+
+if TYPE_CHECKING:
+    from flywheel.settings import Settings
 
 
 @dataclass(frozen=True)
@@ -91,6 +102,12 @@ class Bus(Protocol):
 
     def consumer(self, group: str, topics: Sequence[str], client_id: str | None = None) -> Consumer: ...
 
+    def lag(self, group: str, topics: Sequence[str]) -> dict[str, int]:
+        """Per topic, the records ``group`` has not committed yet: the sum over the topic's partitions
+        of (log end offset - committed offset), from the partition's earliest offset where nothing
+        was committed. Joins no group and commits nothing. A topic that does not exist counts 0.
+        Raises :class:`BusError` when the backend cannot answer (broker unreachable, corrupt log)."""
+
     def close(self) -> None: ...
 
 
@@ -117,6 +134,13 @@ def route_to_dlq(consumer: Consumer, record: Record, reason: str, counters: Muta
     consumer.dead_letter(record, reason)
     counters["dead_lettered"] = counters.get("dead_lettered", 0) + 1
     log.warning("dead-lettered %s[%d]@%d: %s", record.topic, record.partition, record.offset, reason[:200])
+
+
+def stage_lags(bus: Bus, settings: Settings) -> dict[str, dict[str, int]]:
+    """The bus lag of each consuming stage (``ingest``, ``rewards``, ``trainer``): ``Bus.lag`` of its
+    group (``Settings.group``) on the topics it reads (``Settings.stage_topics``), keyed by full topic
+    name. Raises :class:`BusError` when the bus cannot answer (show the lag as unknown)."""
+    return {stage: bus.lag(settings.group(stage), settings.stage_topics(stage)) for stage in STAGE_TOPICS}
 
 
 def stay_in_group(consumer: Consumer) -> None:

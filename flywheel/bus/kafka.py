@@ -27,14 +27,28 @@ Semantics, matching ``flywheel.bus.base``:
   for the acknowledgement before returning.
 - ``ensure_topics`` creates missing topics with the bus's partition count; existing topics are
   left as they are.
+- ``lag`` reads offsets and joins no group: through the bus's admin client, the topics' partitions
+  (metadata), the group's committed offsets (OffsetFetch at the group coordinator), each
+  partition's earliest and latest offsets (ListOffsets); then the log end offset (high watermark)
+  from one fetch at that latest offset by a consumer without a group (manual assignment, nothing
+  committed). The fetch is there because some Kafka-protocol brokers answer ListOffsets "latest"
+  with less than the high watermark (Tansu 0.6, the test broker, gives the last batch's base offset
+  + 1); on Apache Kafka it only confirms. Both clients are created on first use, kept by the bus and
+  closed by ``close`` (the consumer is replaced after a failure). A committed offset below the
+  earliest one (records deleted by retention) counts from the earliest, where the group's consumer
+  resumes. Each request, the clients' first connection and the wait for the fetch are bounded by
+  ``admin_timeout_ms`` (``ADMIN_REQUEST_TIMEOUT_MS`` by default); a Kafka error becomes
+  :class:`BusError`.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from collections.abc import Sequence
 
-from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
+from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, OffsetSpec, TopicPartition
 from kafka.admin import NewTopic
 from kafka.errors import (
     CommitFailedError,
@@ -42,6 +56,7 @@ from kafka.errors import (
     KafkaTimeoutError,
     RebalanceInProgressError,
     TopicAlreadyExistsError,
+    UnknownTopicOrPartitionError,
 )
 from kafka.future import Future
 from kafka.structs import OffsetAndMetadata
@@ -52,6 +67,9 @@ log = logging.getLogger(__name__)
 
 #: The longest ``rewind`` waits for the group coordinator to answer one committed-offset fetch.
 COMMITTED_TIMEOUT_MS = 30_000
+#: The longest the admin client (``ensure_topics``, ``lag``) waits for one broker request, and for
+#: its first connection to the cluster, unless the bus is given ``admin_timeout_ms``.
+ADMIN_REQUEST_TIMEOUT_MS = 30_000
 
 
 def _decode(raw: bytes | None) -> str | None:
@@ -71,6 +89,7 @@ class KafkaBus:
         compression: str = "lz4",
         replication_factor: int = 1,
         client_id: str = "flywheel",
+        admin_timeout_ms: int = ADMIN_REQUEST_TIMEOUT_MS,
     ) -> None:
         self.bootstrap_servers = bootstrap_servers
         self.partitions = partitions
@@ -81,12 +100,20 @@ class KafkaBus:
         self.compression = None if compression == "none" else compression
         self.replication_factor = replication_factor
         self.client_id = client_id
+        self.admin_timeout_ms = admin_timeout_ms
         self._admin: KafkaAdminClient | None = None
+        self._ends: KafkaConsumer | None = None  # group-less, reads high watermarks for ``lag``
+        self._ends_lock = threading.Lock()
         self._known_topics: set[str] = set()
 
     def _admin_client(self) -> KafkaAdminClient:
         if self._admin is None:
-            self._admin = KafkaAdminClient(bootstrap_servers=self.bootstrap_servers, client_id=f"{self.client_id}-admin")
+            self._admin = KafkaAdminClient(
+                bootstrap_servers=self.bootstrap_servers,
+                client_id=f"{self.client_id}-admin",
+                request_timeout_ms=self.admin_timeout_ms,
+                bootstrap_timeout_ms=self.admin_timeout_ms,
+            )
         return self._admin
 
     def ensure_topics(self, topics: Sequence[str]) -> None:
@@ -143,7 +170,79 @@ class KafkaBus:
         )
         return KafkaBusConsumer(self, consumer)
 
+    def lag(self, group: str, topics: Sequence[str]) -> dict[str, int]:
+        """Per topic, the records ``group`` has not committed (see the module docstring)."""
+        names = list(dict.fromkeys(topics))
+        try:
+            admin = self._admin_client()
+            partitions = self._partitions(admin, names)
+            if not partitions:
+                return dict.fromkeys(names, 0)
+            fetched = admin.list_group_offsets({group: partitions}).get(group, {})
+            committed = {tp: meta.offset for tp, meta in fetched.items() if meta.offset >= 0}
+            earliest = admin.list_partition_offsets(dict.fromkeys(partitions, OffsetSpec.EARLIEST))
+            latest = admin.list_partition_offsets(dict.fromkeys(partitions, OffsetSpec.LATEST))
+            ends = self._high_watermarks({tp: latest[tp].offset for tp in partitions})
+        except KafkaError as exc:
+            raise BusError(f"cannot read the lag of group {group!r} on {names}: {exc}") from exc
+        out = dict.fromkeys(names, 0)
+        for tp in partitions:
+            start = max(committed.get(tp, 0), earliest[tp].offset)
+            out[tp.topic] += max(0, ends[tp] - start)
+        return out
+
+    def _high_watermarks(self, latest: dict[TopicPartition, int]) -> dict[TopicPartition, int]:
+        """Each partition's high watermark, from one fetch at ``latest`` (at most one batch comes back)."""
+        with self._ends_lock:
+            if self._ends is None:
+                self._ends = KafkaConsumer(
+                    bootstrap_servers=self.bootstrap_servers,
+                    client_id=f"{self.client_id}-lag",
+                    group_id=None,
+                    enable_auto_commit=False,
+                    fetch_max_wait_ms=10,  # answer soon where no record waits (with 0, no fetch completes on Tansu 0.6)
+                    max_partition_fetch_bytes=64 * 1024,
+                    request_timeout_ms=self.admin_timeout_ms,
+                    bootstrap_timeout_ms=self.admin_timeout_ms,
+                )
+            consumer = self._ends
+            try:
+                consumer.assign(list(latest))  # a fresh state per partition: no high watermark yet
+                for tp, offset in latest.items():
+                    consumer.seek(tp, offset)
+                deadline = time.monotonic() + self.admin_timeout_ms / 1000
+                while any(consumer.highwater(tp) is None for tp in latest):
+                    if time.monotonic() >= deadline:
+                        raise KafkaTimeoutError(f"no fetch answered within {self.admin_timeout_ms} ms")
+                    consumer.poll(timeout_ms=100, max_records=1)
+                return {tp: max(offset, consumer.highwater(tp)) for tp, offset in latest.items()}
+            except BaseException:
+                self._ends = None
+                consumer.close(autocommit=False)
+                raise
+            finally:
+                if self._ends is not None:
+                    consumer.assign([])  # holds no partition between calls: nothing fetched, nothing buffered
+
+    @staticmethod
+    def _partitions(admin: KafkaAdminClient, topics: list[str]) -> list[TopicPartition]:
+        """Every partition of ``topics`` (none for a topic the cluster does not know)."""
+        if not topics:
+            return []
+        out = []
+        for meta in admin.describe_topics(topics):
+            if meta["error_code"] == UnknownTopicOrPartitionError.errno:
+                continue
+            if meta["error_code"]:
+                raise BusError(f"cannot describe topic {meta['name']!r}: error code {meta['error_code']}")
+            out.extend(TopicPartition(meta["name"], p["partition_index"]) for p in meta["partitions"])
+        return sorted(out, key=lambda tp: (tp.topic, tp.partition))
+
     def close(self) -> None:
+        with self._ends_lock:
+            if self._ends is not None:
+                self._ends.close(autocommit=False)
+                self._ends = None
         if self._admin is not None:
             self._admin.close()
             self._admin = None

@@ -38,6 +38,10 @@ Invariants and semantics:
   owner would start; the owner and member locks are kept, so no partition moves.
 - Topics are created on first ``send`` or by ``ensure_topics`` with the bus's partition count;
   an existing topic keeps the count it was created with.
+- ``lag`` reads a group's ``<p>.offset`` files as a new owner would (0 where none) and counts the
+  good frames of each partition file (its log end; a torn tail does not count, as readers stop
+  before it). It takes no file lock and creates nothing, so members are not disturbed. The bus remembers
+  where each partition's count ended, so a later ``lag`` scans only what was appended since.
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ import json
 import logging
 import os
 import re
+import threading
 import time
 import uuid
 from collections.abc import Sequence
@@ -68,6 +73,8 @@ POLL_INTERVAL_S = 0.02
 _NAME = re.compile(r"^[A-Za-z0-9._-]{1,249}$")
 #: Uncommitted record end positions remembered per partition (older ones fall back to a scan).
 _MAX_TRACKED = 100_000
+#: Frames decoded at once while counting a partition's records for ``lag``.
+_COUNT_CHUNK = 1_000
 
 
 def _check_name(kind: str, name: str) -> str:
@@ -88,6 +95,8 @@ class LocalLogBus:
         self.root = Path(root)
         self.partitions = partitions
         self._counts: dict[str, int] = {}
+        self._ends: dict[tuple[str, int], tuple[int, int]] = {}  # (position, next offset) counted so far
+        self._ends_lock = threading.Lock()
         (self.root / "topics").mkdir(parents=True, exist_ok=True)
         (self.root / "groups").mkdir(parents=True, exist_ok=True)
 
@@ -133,6 +142,43 @@ class LocalLogBus:
 
     def consumer(self, group: str, topics: Sequence[str], client_id: str | None = None) -> LocalLogConsumer:
         return LocalLogConsumer(self, group, topics, client_id=client_id)
+
+    def lag(self, group: str, topics: Sequence[str]) -> dict[str, int]:
+        """Per topic, the records ``group`` has not committed (see the module docstring)."""
+        group_dir = self.root / "groups" / _check_name("group", group)
+        out: dict[str, int] = {}
+        try:
+            for topic in dict.fromkeys(topics):
+                total = 0
+                for partition in range(self.partition_count(topic, create=False) or 0):
+                    committed, _ = _read_committed(group_dir / topic / f"{partition}.offset")
+                    total += max(0, self._log_end(topic, partition) - committed)
+                out[topic] = total
+        except (OSError, ValueError, KeyError) as exc:
+            raise BusError(f"cannot read the lag of group {group!r}: {exc}") from exc
+        return out
+
+    def _log_end(self, topic: str, partition: int) -> int:
+        """The offset the next record appended to the partition gets (its good frames' count)."""
+        path = self.topic_dir(topic) / f"{partition}.log"
+        with self._ends_lock:
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:
+                return 0
+            try:
+                position, next_offset = self._ends.get((topic, partition), (0, 0))
+                if os.fstat(fd).st_size < position:  # cannot happen unless the file was replaced
+                    position, next_offset = 0, 0
+                while True:
+                    found = scan(fd, position, next_offset, max_records=_COUNT_CHUNK, path=str(path))
+                    position, next_offset = found.position, found.next_offset
+                    if not found.frames:
+                        break
+            finally:
+                os.close(fd)
+            self._ends[(topic, partition)] = (position, next_offset)
+            return next_offset
 
     def close(self) -> None:
         """Nothing is held by the bus itself; producers and consumers close their own files."""
@@ -301,6 +347,15 @@ class _Membership:
         os.close(self.fd)
 
 
+def _read_committed(path: Path) -> tuple[int, int | None]:
+    """A group's committed ``(offset, byte position)`` of one partition; ``(0, 0)`` where none."""
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return (0, 0)
+    return int(data["offset"]), (None if data.get("position") is None else int(data["position"]))
+
+
 def _mtime(path: Path) -> float:
     try:
         return path.stat().st_mtime
@@ -365,18 +420,10 @@ class LocalLogConsumer:
                 self._bus.topic_dir(topic) / f"{partition}.log",
                 state_dir / f"{partition}.offset",
             )
-            owned.committed = self._read_committed(owned.offset_path)
+            owned.committed = _read_committed(owned.offset_path)
             owned.next_offset = owned.ends_base = owned.committed[0]
             self._owned[(topic, partition)] = owned
             log.debug("group %s: %s acquired %s", self.group, self._member.member_id, (topic, partition))
-
-    @staticmethod
-    def _read_committed(path: Path) -> tuple[int, int | None]:
-        try:
-            data = json.loads(path.read_text())
-        except FileNotFoundError:
-            return (0, 0)
-        return int(data["offset"]), (None if data.get("position") is None else int(data["position"]))
 
     def _open_log(self, owned: _Owned) -> bool:
         """Open the partition file and seek to the committed offset; False if it does not exist yet."""
