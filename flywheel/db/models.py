@@ -111,6 +111,7 @@ class Feedback(Base):
     __table_args__ = (
         UniqueConstraint("tenant", "feedback_id", name="uq_feedback_tenant_feedback_id"),
         Index("ix_feedback_session", "tenant", "session_id"),
+        Index("ix_feedback_generation", "generation_id"),  # the feedback a generation got (console)
     )
 
 
@@ -126,7 +127,12 @@ class SessionState(Base):
     closed_at: Mapped[datetime | None]
     revision: Mapped[int] = mapped_column(Integer, default=0)
 
-    __table_args__ = (Index("ix_sessions_status", "status", "last_event_at"),)
+    __table_args__ = (
+        Index("ix_sessions_status", "status", "last_event_at"),
+        # The operator console: a tenant's recent sessions, and a session found by its id alone.
+        Index("ix_sessions_tenant_recent", "tenant", "last_event_at"),
+        Index("ix_sessions_session_id", "session_id"),
+    )
 
 
 class Trajectory(Base):
@@ -143,7 +149,11 @@ class Trajectory(Base):
     ts: Mapped[datetime]
     payload: Mapped[dict] = mapped_column(JSON)
 
-    __table_args__ = (UniqueConstraint("trajectory_id", "revision", name="uq_trajectory_revision"),)
+    __table_args__ = (
+        UniqueConstraint("trajectory_id", "revision", name="uq_trajectory_revision"),
+        # The operator console: a session's trajectories (by id: uq_trajectory_revision's prefix).
+        Index("ix_trajectories_session", "tenant", "session_id"),
+    )
 
 
 class ScoredTrajectoryRow(Base):
@@ -221,6 +231,7 @@ class ModelVersion(Base):
         # At most one pinned version per line (the registry also writes pins under the line's lock).
         Index("uq_model_versions_pinned", "model_line", unique=True,
               postgresql_where=text("pinned_at IS NOT NULL"), sqlite_where=text("pinned_at IS NOT NULL")),
+        Index("ix_model_versions_status", "model_line", "status"),  # a line's versions in one status
     )
 
 
@@ -236,6 +247,25 @@ class VersionTransition(Base):
     to_status: Mapped[str] = mapped_column(String(16))
     reason: Mapped[str] = mapped_column(Text, default="")
     at: Mapped[datetime]
+
+    __table_args__ = (Index("ix_version_transitions_version", "model_line", "version"),)  # one version's audit trail
+
+
+class TrainedTrajectory(Base):
+    """Which version each trajectory was trained into: the ``trajectory_ids`` of a version's
+    ``metrics``, one row per id, written in the transaction that inserts that ``model_versions``
+    row (``flywheel/db/trained.py``). An id is trained into at most one version; should one be
+    listed again, the first version keeps it."""
+
+    __tablename__ = "trained_trajectories"
+
+    trajectory_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    model_line: Mapped[str] = mapped_column(String(128))
+    version: Mapped[int] = mapped_column(Integer)
+    #: When the version was published (its ``model_versions.created_at``).
+    trained_at: Mapped[datetime]
+
+    __table_args__ = (Index("ix_trained_trajectories_version", "model_line", "version"),)
 
 
 class Node(Base):
@@ -270,3 +300,18 @@ class ApiKey(Base):
     rate_limit_rpm: Mapped[int | None] = mapped_column(Integer)
 
     __table_args__ = (Index("ix_api_keys_tenant", "tenant"),)
+
+
+class RolloutDecisionRow(Base):
+    """The rollout controller's latest decision per model line (``serving/rollout_record.py``):
+    rewritten every tick, read by the operator console."""
+
+    __tablename__ = "rollout_decisions"
+
+    model_line: Mapped[str] = mapped_column(String(128), primary_key=True)
+    #: none | wait | canary | promote | rollback | pinned
+    action: Mapped[str] = mapped_column(String(16))
+    version: Mapped[int | None] = mapped_column(Integer)
+    reason: Mapped[str] = mapped_column(Text, default="")
+    figures: Mapped[dict] = mapped_column(JSON, default=dict)
+    decided_at: Mapped[datetime]

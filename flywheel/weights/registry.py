@@ -7,6 +7,8 @@ and every status change is audited in ``version_transitions``.
 Invariants:
 - A row exists only for an object that was uploaded, read back and reconstructed to the recorded
   hash (publish is upload -> verify -> insert, in that order; a failed publish removes its object).
+  The trajectories its ``metrics["trajectory_ids"]`` lists are recorded as trained into it
+  (``trained_trajectories``) in the transaction that inserts the row.
 - Version numbers are never reused: the primary key ``(model_line, version)`` decides, and a
   publisher that loses the race retries with the next number. Store keys carry a random token,
   so a losing publisher never overwrites the winner's object.
@@ -58,6 +60,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
 from flywheel.db.models import ModelVersion, Node, VersionTransition
+from flywheel.db.trained import record_trained, trained_ids
 from flywheel.weights.codec.anchor import encode_anchor, raw_bytes, read_full
 from flywheel.weights.codec.container import read_delta_header
 from flywheel.weights.codec.delta import apply_delta, encode_delta_with_summary
@@ -392,8 +395,10 @@ class Registry:
         A delta against ``parent`` when it is allowed (not ``force_full``, not an anchor version)
         and pays (:meth:`_delta_pays`); otherwise a full version, a compressed anchor.
         ``parent_state`` must be the parent's weights (checked by hash); it is loaded from the
-        registry when omitted.
+        registry when omitted. The trajectories ``metrics["trajectory_ids"]`` lists (strings) are
+        recorded as trained into the version (:mod:`flywheel.db.trained`) with its row.
         """
+        trained = trained_ids(metrics)  # checked before anything is uploaded
         digests = tensor_digests(state)  # each tensor hashed once: for the state's hash and a full version's anchor
         sha = state_sha256(state, digests)
         full_bytes = raw_bytes(state)
@@ -442,6 +447,7 @@ class Registry:
                     session.add(row)
                     session.add(self._transition(version, None, "candidate", f"published ({kind})", row.created_at))
                     session.flush()
+                    record_trained(session, self.model_line, version, trained, row.created_at)
                     info = _info(row)
             except IntegrityError:
                 self.store.delete(key)  # another publisher took this number: try the next one

@@ -42,6 +42,8 @@ TABLES = {
     "api_keys",
     "reward_specs",
     "reward_version_stats",
+    "trained_trajectories",
+    "rollout_decisions",
 }
 
 
