@@ -270,7 +270,7 @@ def run_demo(settings: Settings, options: DemoOptions, stop: threading.Event) ->
         minutes = options.traffic_minutes
         print(
             f"flywheel demo: stack up in {time.monotonic() - t_start:.0f}s; {n_users} simulated users for "
-            f"{minutes:g} min; trainer lr={settings.trainer.lr:g}; gateway {gateway}/v1",
+            f"{minutes:g} min; trainer lr={settings.trainer.lr:g}; gateway {gateway}/v1; console {gateway}/console",
             flush=True,
         )
         run_traffic(live.stack, pool, minutes, stop, report=lambda elapsed: _progress(pool, registry, watcher, elapsed))

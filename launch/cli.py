@@ -7,17 +7,23 @@ and imports one only when asked. So no kernel module imports a stage or an appli
 is not imported before the settings are known to be valid. A role that loads the model
 (:data:`MODEL_ROLES`) is started with ``model.path`` filled: the given one, else the demo's tiny
 model (:func:`launch.up.with_model`).
+
+A process started with ``--parent-pid PID`` (``flywheel up``'s children) dies with that parent,
+however the parent ends (:func:`die_with_parent`), before anything else happens in it.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import importlib
 import json
 import logging
+import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -75,6 +81,33 @@ def stop_on_signals() -> threading.Event:
     return stop
 
 
+#: prctl(2)'s option that has the kernel signal this process when its parent thread exits.
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """End this process when the parent ``parent_pid`` ends, however it ends (``kill -9``
+    included). On Linux the kernel sends SIGKILL when the thread that forked this process exits
+    (``prctl(PR_SET_PDEATHSIG)``); elsewhere a daemon thread watches the parent. A kill is what
+    every role is built to survive (nothing accepted is lost), and a role whose supervisor is gone
+    must not linger. If the parent is gone already (it died before the call), exit at once."""
+    armed = False
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        armed = libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0
+    if os.getppid() != parent_pid:  # the parent died before the signal was armed: no signal comes
+        os._exit(1)
+    if armed:
+        return
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="die-with-parent", daemon=True).start()
+
+
 def _overrides(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if getattr(args, "data_dir", None):
@@ -111,6 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flywheel", description="RL from live product feedback.")
     parser.add_argument("--config", help="settings file (TOML or JSON); also FLYWHEEL_CONFIG")
     parser.add_argument("--data-dir", help="where embedded state lives (default .flywheel)")
+    # flywheel up's children: die with the process that started them (die_with_parent)
+    parser.add_argument("--parent-pid", type=int, help=argparse.SUPPRESS)
     sub = parser.add_subparsers(dest="command", required=True)
 
     sub.add_parser("schema", help="print the JSON Schemas of the wire contracts")
@@ -200,6 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     private_umask()  # first, before anything is created
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.parent_pid is not None:
+        die_with_parent(args.parent_pid)
     try:
         settings = load_settings(args.config, **_overrides(args))
     except SettingsError as exc:

@@ -8,6 +8,19 @@ do any of that.
 
 A child that exits on its own is restarted with backoff (and counted); SIGTERM/SIGINT stops all
 children gracefully (SIGTERM, then SIGKILL after a grace period).
+
+Invariants:
+- ``flywheel is up`` is printed only once a chat completion can be served: the node answers one
+  itself (a one-token probe sent to the node, so nothing is captured) and the gateway answers
+  ``/health``; the line names the gateway's API and the console.
+- A stop (SIGTERM/SIGINT) is acted on at once at every stage: while preparing (the database wait,
+  the model build are abandoned: :func:`interrupting`), while the children start (the readiness
+  wait returns) and while they run.
+- No child outlives ``up``, however it ends, ``kill -9`` included: each is started with
+  ``--parent-pid`` and has the kernel kill it when the thread that started it exits
+  (``launch.cli.die_with_parent``; the thread that spawns children must therefore live as long
+  as the stack, the main thread here). Children run in their own session, so a terminal's Ctrl-C
+  reaches ``up`` alone, and ``up`` stops them in order.
 """
 
 from __future__ import annotations
@@ -16,18 +29,25 @@ import importlib
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import FrameType
 
 import httpx
 
 from flywheel.settings import Settings
 
 log = logging.getLogger("flywheel.up")
+
+#: The chat completion that proves a node serves (:meth:`Stack.wait_ready`): one token.
+READY_PROBE = {"messages": [{"role": "user", "content": "ready?"}], "max_tokens": 1}
 
 ALL_ROLES = ("node", "gateway", "ingest", "rewards", "trainer", "rollout")
 
@@ -82,6 +102,34 @@ def register_base(settings: Settings) -> None:
         log.info("registered the base model as %s v%d", settings.model.line, info.version)
 
 
+class Interrupted(BaseException):
+    """SIGTERM or SIGINT arrived inside :func:`interrupting` (a BaseException, as KeyboardInterrupt,
+    so no ``except Exception`` on the way swallows it)."""
+
+
+@contextmanager
+def interrupting(stop: threading.Event) -> Iterator[None]:
+    """Inside, SIGTERM/SIGINT set ``stop`` and raise :class:`Interrupted` in the main thread, so a
+    long step that never looks at ``stop`` (the database wait, the model build) is abandoned at
+    once; the handlers from before are back on exit. Off the main thread it only checks ``stop``."""
+    if stop.is_set():
+        raise Interrupted("stop was already requested")
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum: int, _frame: FrameType | None) -> None:
+        stop.set()
+        raise Interrupted(signal.Signals(signum).name)
+
+    previous = {signum: signal.signal(signum, interrupt) for signum in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
 @dataclass
 class _Child:
     role: str
@@ -112,7 +160,8 @@ class Stack:
 
     def _spawn(self, role: str, restarts: int = 0) -> _Child:
         log_path = self.log_dir / f"{role}.log"
-        cmd = [sys.executable, "-m", "launch.cli", "--config", str(self.config_path), role]
+        cmd = [sys.executable, "-m", "launch.cli", "--config", str(self.config_path),
+               "--parent-pid", str(os.getpid()), role]
         env = dict(os.environ)
         env.setdefault("OMP_NUM_THREADS", "1")
         with open(log_path, "ab") as out:
@@ -120,29 +169,44 @@ class Stack:
         log.info("started %s (pid %d), log %s", role, proc.pid, log_path)
         return _Child(role, proc, log_path, restarts=restarts)
 
-    def wait_ready(self, timeout_s: float = 300.0) -> None:
-        """Block until the node and the gateway answer /health, or raise with the failing log's tail
-        (a LoRA-mode vLLM node process serves nothing itself: vLLM does)."""
-        urls = {}
+    def wait_ready(self, timeout_s: float = 300.0, stop: threading.Event | None = None) -> bool:
+        """Block until a chat completion can be served: the node answers ``/health`` (it listens
+        and holds a version) and a one-token chat completion sent to it (never captured: the
+        gateway is not on its path), then the gateway answers ``/health``. False as soon as
+        ``stop`` is set; raises with the failing log's tail when a child exits or ``timeout_s``
+        passes. (A LoRA-mode vLLM node process serves nothing itself: vLLM does.)"""
+        checks = []
         node = self.settings.node
         if "node" in self.roles and not (node.engine == "vllm" and node.vllm_mode == "lora"):
-            urls["node"] = f"http://{self.settings.node.host}:{self.settings.node.port}/health"
+            base = f"http://{node.host}:{node.port}"
+            checks += [("node", "GET", f"{base}/health", None),
+                       ("node", "POST", f"{base}/v1/chat/completions", READY_PROBE)]
         if "gateway" in self.roles:
-            urls["gateway"] = f"http://{self.settings.gateway.host}:{self.settings.gateway.port}/health"
+            checks.append(("gateway", "GET", f"http://{self.settings.gateway.host}:{self.settings.gateway.port}/health",
+                           None))
+        stop = stop or threading.Event()
         deadline = time.monotonic() + timeout_s
-        for role, url in urls.items():
-            while True:
-                child = self.children[role]
-                if child.proc.poll() is not None:
-                    raise RuntimeError(f"{role} exited with {child.proc.returncode} while starting:\n{self.tail(role)}")
-                try:
-                    if httpx.get(url, timeout=2.0).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"{role} not healthy after {timeout_s:.0f}s:\n{self.tail(role)}")
-                time.sleep(0.3)
+        with httpx.Client() as client:
+            for role, method, url, body in checks:
+                last = "no answer yet"
+                while True:
+                    if stop.is_set():
+                        return False
+                    child = self.children[role]
+                    if child.proc.poll() is not None:
+                        raise RuntimeError(f"{role} exited with {child.proc.returncode} while starting:\n{self.tail(role)}")
+                    try:
+                        answer = client.request(method, url, json=body, timeout=2.0 if body is None else 30.0)
+                        if answer.status_code == 200:
+                            break
+                        last = f"HTTP {answer.status_code}: {answer.text[:300]}"
+                    except httpx.HTTPError as exc:
+                        last = f"{type(exc).__name__}: {exc}"
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"{role} not ready after {timeout_s:.0f}s ({method} {url}: {last}):\n"
+                                           f"{self.tail(role)}")
+                    stop.wait(0.3)
+        return True
 
     def supervise_once(self) -> list[str]:
         """Restart children that exited on their own; returns the roles restarted."""
@@ -180,15 +244,27 @@ class Stack:
 
 
 def up(settings: Settings, stop: threading.Event) -> int:
-    settings = prepare(settings)
-    stack = Stack(settings)
-    stack.start()
+    """Prepare, start every role, say so once a chat completion can be served, supervise until
+    ``stop``; then stop every child. A stop before the stack is up ends it there (status 0)."""
     try:
-        stack.wait_ready()
+        with interrupting(stop):
+            settings = prepare(settings)
+    except Interrupted as exc:
+        log.warning("stopped (%s) while preparing; no role was started", exc)
+        return 0
+    stack = Stack(settings)
+    try:
+        stack.start()
+        try:
+            with interrupting(stop):  # a probe that waits on a slow child is abandoned too
+                stack.wait_ready(stop=stop)
+        except Interrupted as exc:
+            log.warning("stopped (%s) while the roles were starting; stopping them", exc)
+            return 0
+        gateway = f"http://{settings.gateway.host}:{settings.gateway.port}"
         auth = "off (embedded defaults: no API key needed)" if settings.gateway.auth == "off" else "on"
         print(
-            f"flywheel is up: gateway http://{settings.gateway.host}:{settings.gateway.port}/v1 "
-            f"(auth {auth}); logs in {stack.log_dir}",
+            f"flywheel is up: gateway {gateway}/v1 (auth {auth}); console {gateway}/console; logs in {stack.log_dir}",
             flush=True,
         )
         while not stop.wait(1.0):

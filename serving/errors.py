@@ -12,7 +12,9 @@ Invariants:
   the gateway and the node; routers raise :class:`APIError` (or let FastAPI raise its own).
 - What a proxy passes on from its upstream is built here too (:func:`upstream_error`,
   :func:`upstream_stream_error`, :func:`bad_upstream_response`): an upstream 4xx keeps its envelope,
-  anything else the upstream does wrong is a 502.
+  anything else the upstream does wrong is a 502. The one exception is start-up: while no node of
+  the fleet has ever answered and the one chosen refuses the connection, the answer is
+  :func:`fleet_starting`, a 503 with ``Retry-After``.
 """
 
 from __future__ import annotations
@@ -163,6 +165,17 @@ def upstream_error(status: int, raw: bytes, headers: dict[str, str]) -> APIError
         return APIError(status, message, param=err.get("param"), code=err.get("code"),
                         type=err.get("type") or None, headers=headers)
     return APIError(502, f"upstream returned HTTP {status}: {message}", code="upstream_error", headers=headers)
+
+
+#: Seconds a client is told to wait (``Retry-After``) while the fleet is starting.
+STARTING_RETRY_AFTER_S = 2
+
+
+def fleet_starting(model_line: str, headers: dict[str, str]) -> APIError:
+    """The 503 while the fleet is starting (no node listens yet): retry shortly, never a 502."""
+    return APIError(503, f"the fleet is starting: no node serves `{model_line}` yet; retry in "
+                    f"{STARTING_RETRY_AFTER_S} s", code="fleet_starting",
+                    headers={**headers, "Retry-After": str(STARTING_RETRY_AFTER_S)})
 
 
 class UpstreamStreamError(Exception):

@@ -25,6 +25,8 @@ Invariants:
   holds the session's version any more, it moves to the current one and the move is counted.
 - Rejected requests (malformed, invalid fields, unknown model) never reach the upstream or the
   bus; they get a 4xx OpenAI envelope naming the offending field (capture full: a 503).
+- While the fleet is starting (``routing.Router.starting``: no node has answered yet) a node that
+  refuses the connection is a 503 ``fleet_starting`` with ``Retry-After``, never a 502.
 - A node that serves each version under its own model name (a vLLM server in LoRA mode, whose
   heartbeat carries ``model_names``) is sent ``model = <its name for the session's version>``; its
   answer is turned back into the line's before anything else reads it (``routing.as_line``:
@@ -57,6 +59,7 @@ from serving.errors import (
     APIError,
     UpstreamStreamError,
     bad_upstream_response,
+    fleet_starting,
     state_unavailable,
     upstream_error,
     upstream_error_field,
@@ -68,7 +71,7 @@ from serving.gateway.metrics import GatewayMetrics
 from serving.gateway.routing import Router, Upstream, as_line, new_session_version
 from serving.gateway.shipper import Capture, CaptureFull
 from serving.gateway.state import GatewayState, StateUnavailable
-from serving.gateway.upstream import Pool, UpstreamError
+from serving.gateway.upstream import Pool, UpstreamError, UpstreamUnreachable
 from serving.gateway.upstream import Response as UpstreamResponse
 from serving.protocol import (
     GENERATION_GROUP_HEADER,
@@ -241,8 +244,13 @@ class CompletionServing:
                 body = orjson.dumps({**call.upstream_request, "model": target.model})
             try:
                 response = await self.http.post(url, body, self.upstream_headers(call))
+            except UpstreamUnreachable as exc:
+                if self.router.starting(target):  # its port is not open yet: a 503 to retry, not a 502
+                    raise fleet_starting(self.settings.model.line, call.headers) from None
+                raise APIError(502, f"upstream {url} failed: {exc}", code="upstream_unreachable") from None
             except UpstreamError as exc:
                 raise APIError(502, f"upstream {url} failed: {exc}", code="upstream_unreachable") from None
+            self.router.answered()
             model_gone = target.names_versions and response.status == 404  # vLLM: "The model `…` does not exist."
             if response.status != 409 and not model_gone:
                 return response

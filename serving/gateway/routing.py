@@ -34,6 +34,10 @@ Invariants:
   checking that the node answered for the name it was sent. For other nodes both are no-ops.
 - :meth:`Router.live_versions` (for ``/v1/models``) shows versions and node ids, never node URLs
   or tenant pins.
+- The fleet is *starting* (:meth:`Router.starting`) until an upstream first answers this gateway
+  (:meth:`Router.answered`): a node of the fleet (a heartbeating one, or the local node when no
+  ``gateway.upstream`` is set) that refuses the connection until then is still coming up, not
+  down. An upstream set by hand, or any node after the first answer, that refuses is a failure.
 """
 
 from __future__ import annotations
@@ -213,6 +217,7 @@ class Router:
         self._refreshing: asyncio.Task[None] | None = None
         self._turn = itertools.count()
         self._failing: set[str] = set()
+        self._answered = False  # an upstream answered this gateway once: the fleet has started
 
     # Reading the snapshot ----------------------------------------------------------------------
 
@@ -250,6 +255,15 @@ class Router:
         served = node.live_version if version is None else version
         return Upstream(node.url, node.node_id, names_versions=True, model=node.model_for(served), version=served,
                         sampling_defaults=node.sampling_defaults)
+
+    def answered(self) -> None:
+        """An upstream answered a request (any status): the fleet is no longer starting."""
+        self._answered = True
+
+    def starting(self, target: Upstream) -> bool:
+        """Whether ``target`` refusing the connection means the fleet is still starting (module
+        docstring): no upstream has answered yet, and ``target`` is a node of the fleet."""
+        return not self._answered and (bool(target.node_id) or not self.settings.gateway.upstream)
 
     def live_versions(self) -> dict[str, Any]:
         """The line, its stable and canary versions, and the versions live on nodes with their ids."""

@@ -11,7 +11,8 @@ Invariants:
 - A connection returns to its pool only after its response was read to the end and the server
   allows keep-alive; anything else (an error, a response abandoned half-read) closes it.
 - A request on a reused connection that the server had already closed (no byte of a response
-  came back) is retried once on a new connection; any other failure is :class:`UpstreamError`.
+  came back) is retried once on a new connection; any other failure is :class:`UpstreamError`
+  (:class:`UpstreamUnreachable` when no connection could be opened at all).
 - ``timeout_s`` bounds the whole exchange, connect to last byte; past it the connection is closed
   and the caller gets :class:`UpstreamError`.
 - Response header names are lower-cased; values are decoded as latin-1 (RFC 9110).
@@ -30,6 +31,11 @@ import httptools
 
 class UpstreamError(Exception):
     """The upstream could not be reached, broke off, or timed out."""
+
+
+class UpstreamUnreachable(UpstreamError):
+    """No connection to the upstream could be opened (refused, unresolvable, timed out): it saw
+    nothing of the request."""
 
 
 class _Connection(asyncio.Protocol):
@@ -232,7 +238,7 @@ class Pool:
                 timeout=max(0.001, deadline - loop.time()),
             )
         except (TimeoutError, OSError, ssl.SSLError) as exc:
-            raise UpstreamError(f"cannot connect to {scheme}://{hostname}:{port}: {type(exc).__name__}: {exc}") from None
+            raise UpstreamUnreachable(f"cannot connect to {scheme}://{hostname}:{port}: {type(exc).__name__}: {exc}") from None
         self._origin_of[connection] = origin
         return connection, False
 

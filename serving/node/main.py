@@ -8,6 +8,11 @@ this node serves names a registered version; otherwise follow the stable version
 traffic (and preload a canary version, if any). Then serve until stopped, with the updater polling.
 The engine keeps the last ``node.keep_versions`` versions.
 
+The node announces itself (its live heartbeat and its row in ``nodes``, which tell the gateway
+where to send requests) only once its HTTP port listens and it holds a loaded version
+(:func:`announce_when_listening`): a gateway never routes to a node that would refuse the
+connection.
+
 With ``node.engine = "vllm"``, :func:`run_vllm` keeps a vLLM server on the registry's versions, as
 full weights or as LoRA adapters (``node.vllm_mode``). In full mode the process also serves the
 front (``serving/node/vllm_front.py``) that the gateway reaches: vLLM's answers stamped with the
@@ -35,6 +40,21 @@ def bootstrap_version(engine, registry) -> None:  # type: ignore[no-untyped-def]
         if info.sha256 == engine.sha256:
             engine.set_version(info.version)
             return
+
+
+def announce_when_listening(updater: Any, listening: threading.Event, done: threading.Event) -> threading.Thread:
+    """A thread that calls ``updater.announce()`` once ``listening`` is set (the server started),
+    unless ``done`` is set first (the server stopped before it ever listened)."""
+
+    def wait() -> None:
+        while not listening.wait(0.05):
+            if done.is_set():
+                return
+        updater.announce()
+
+    thread = threading.Thread(target=wait, name="node-announce", daemon=True)
+    thread.start()
+    return thread
 
 
 def _open(settings: Settings, cleanup: contextlib.ExitStack) -> tuple[Any, Any, Any]:
@@ -74,7 +94,7 @@ def run(settings: Settings, stop: threading.Event | None = None) -> None:
         cleanup.callback(engine.close)
         bootstrap_version(engine, registry)
         url = node_url(settings)
-        updater = Updater(engine, registry, settings, session_factory=sessions, live=live, url=url)
+        updater = Updater(engine, registry, settings, session_factory=sessions, live=live, url=url, announce=False)
         outcome = updater.check_once()
         if engine.version is None:
             raise RuntimeError(f"no registered version could be loaded at start-up: {outcome.detail or 'none matches'}")
@@ -82,8 +102,12 @@ def run(settings: Settings, stop: threading.Event | None = None) -> None:
         cleanup.callback(updater.stop)
 
         app = create_app(engine, updater, settings)
+        listening, done = threading.Event(), threading.Event()
+        cleanup.callback(done.set)
+        announce_when_listening(updater, listening, done)
         log.info("node %s serving %s v%s on %s", settings.node.node_id, settings.model.line, engine.version, url)
-        serve(app, host=settings.node.host, port=settings.node.port, stop=stop, log_level=settings.log_level)
+        serve(app, host=settings.node.host, port=settings.node.port, stop=stop, ready=listening,
+              log_level=settings.log_level)
 
 
 def run_vllm(settings: Settings, stop: threading.Event | None = None) -> None:
@@ -145,19 +169,22 @@ def run_vllm(settings: Settings, stop: threading.Event | None = None) -> None:
             return
         adapter.check_logprobs_mode()  # refuses raw logprobs before anything is served
         adapter.prepare()  # weight-version labels (vLLM 0.33), the start-up weights labelled
-        # Listen before the first heartbeat names this URL: the gateway's first requests queue in
-        # the socket's backlog until the front accepts them, instead of being refused.
+        # Bound now, so a port that is taken fails before the updater starts; the heartbeat names
+        # this URL only once the front serves on it (announce_when_listening).
         sock = bind(settings.node.host, settings.node.port)
         cleanup.callback(sock.close)
         url = node_url(settings)
-        updater = Updater(adapter, registry, settings, session_factory=sessions, live=live, url=url)
+        updater = Updater(adapter, registry, settings, session_factory=sessions, live=live, url=url, announce=False)
         updater.check_once()
         updater.start()
         cleanup.callback(updater.stop)
         app = create_front(adapter, gate, settings, updater)
+        listening, done = threading.Event(), threading.Event()
+        cleanup.callback(done.set)
+        announce_when_listening(updater, listening, done)  # the front serves: the heartbeat may name it
         log.info("node %s serves %s v%s from vLLM at %s on %s", settings.node.node_id, settings.model.line,
                  adapter.current()[0], settings.node.vllm_url, url)
-        serve(app, host=settings.node.host, port=settings.node.port, stop=stop, sock=sock,
+        serve(app, host=settings.node.host, port=settings.node.port, stop=stop, sock=sock, ready=listening,
               log_level=settings.log_level)
 
 
@@ -188,13 +215,14 @@ def _run_vllm_lora(settings: Settings, stop: threading.Event) -> None:
             return
         adapter.check_logprobs_mode()  # refuses raw logprobs before anything is loaded
         updater = Updater(adapter, registry, settings, session_factory=sessions, live=live,
-                          url=settings.node.vllm_url)
+                          url=settings.node.vllm_url, announce=False)
         outcome = updater.check_once()
         if adapter.current()[0] is None:
             raise RuntimeError("no registered version could be loaded into vLLM at start-up: "
                                f"{outcome.detail or 'none is stable'}")
         if strays := adapter.unload_strays():
             log.info("unloaded LoRA adapters an earlier node process left in vLLM: %s", ", ".join(strays))
+        updater.announce()  # vLLM answers and holds the stable version: the heartbeat may name it
         updater.start()
         cleanup.callback(updater.stop)
         log.info("node %s keeps vLLM at %s on %s v%s (LoRA adapters %s)", settings.node.node_id,

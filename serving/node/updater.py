@@ -21,6 +21,10 @@ Invariants:
   gateway must send; ``sampling_defaults``: what the engine applies where a request is silent,
   ``flywheel.sampling.node_defaults``) are refreshed on every change and at least every ``db_heartbeat_s`` (the
   heartbeat on every poll).
+- Built with ``announce=False`` (a node's entry point) the updater reports nothing, neither the
+  live heartbeat nor the row, until :meth:`announce`: a node is announced only once its HTTP port
+  listens and it holds a loaded version, so the gateway never sends a request to a port that
+  refuses it.
 - One update at a time: the poll thread and the admin endpoint share a lock.
 """
 
@@ -59,6 +63,7 @@ class Updater:
         live: Any = None,
         url: str = "",
         db_heartbeat_s: float = 10.0,
+        announce: bool = True,
     ) -> None:
         self.engine = engine
         self.registry = registry
@@ -67,6 +72,8 @@ class Updater:
         self.live = live
         self.url = url or node_url(settings)
         self.db_heartbeat_s = db_heartbeat_s
+        #: Whether the node reports itself yet (:meth:`announce`).
+        self.announced = announce
         #: What the engine applies where a request is silent (its heartbeat carries them).
         self.sampling_defaults = node_defaults(settings)
         self.status = "serving"
@@ -166,12 +173,23 @@ class Updater:
 
     # Reporting ---------------------------------------------------------------------------------
 
+    def announce(self) -> None:
+        """Start reporting: the node listens and holds a loaded version. The poll thread, when
+        running, sends the first heartbeat at once (one reporter at a time); else it is sent here."""
+        self.announced = True
+        if self._thread is not None:
+            self._kick.set()
+        else:
+            self._report(force=True)
+
     def _set(self, status: str, detail: str) -> None:
         changed = (status, detail) != (self.status, self.detail)
         self.status, self.detail = status, detail
         self._report(force=changed)
 
     def _report(self, force: bool = False) -> None:
+        if not self.announced:
+            return
         version, sha = self.engine.current()
         node = self.settings.node
         if self.live is not None:
