@@ -252,12 +252,10 @@ async def sse_data(lines: AsyncIterator[str]) -> AsyncIterator[str]:
         yield "\n".join(buffer)
 
 
-async def read_json_body(request: Request, limit: int, timeout_s: float | None = None) -> Any:
-    """The request body parsed as JSON, or an OpenAI-style 4xx: over ``limit`` bytes (413), not
-    whole within ``timeout_s`` of starting to read it (408, and the connection is closed: a client
-    trickling its body cannot hold the server), empty, or outside the system's JSON policy
-    (``flywheel.jsonpolicy``: malformed, NaN/Infinity, numbers out of range, lone UTF-16
-    surrogates, repeated keys, nested deeper than 64 levels): 400 naming the field in ``param``."""
+async def read_body(request: Request, limit: int, timeout_s: float | None = None) -> bytes:
+    """The raw request body, or an OpenAI-style 4xx: over ``limit`` bytes (413), or not whole
+    within ``timeout_s`` of starting to read it (408, and the connection is closed: a client
+    trickling its body cannot hold the server)."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise APIError(413, f"request body is {declared} bytes; the limit is {limit}", code="request_too_large")
@@ -276,7 +274,15 @@ async def read_json_body(request: Request, limit: int, timeout_s: float | None =
     except ClientDisconnect:
         raise APIError(400, "the client disconnected before sending the whole body", code="client_disconnected",
                        headers={"Connection": "close"}) from None
-    raw = b"".join(chunks)
+    return b"".join(chunks)
+
+
+async def read_json_body(request: Request, limit: int, timeout_s: float | None = None) -> Any:
+    """The request body parsed as JSON, or an OpenAI-style 4xx: :func:`read_body`'s, empty, or
+    outside the system's JSON policy (``flywheel.jsonpolicy``: malformed, NaN/Infinity, numbers out
+    of range, lone UTF-16 surrogates, repeated keys, nested deeper than 64 levels): 400 naming the
+    field in ``param``."""
+    raw = await read_body(request, limit, timeout_s)
     if not raw.strip():
         raise APIError(400, "request body is empty; send a JSON object", code="invalid_json")
     try:

@@ -5,8 +5,10 @@
 (serving/rollout_cli.py) and the gateway's admin routes do (the controller, serving/rollout.py,
 rolls back a stable version no node can load itself, restoring what the fleet serves). A pinned line
 refuses promote, rollback and clear unless forced (the rules: serving/rollout.py's docstring).
-:func:`announce` puts new statuses on the versions topic; :func:`node_waker` is the registry's hook
-that wakes the nodes after a change (best effort: they poll the registry anyway).
+:func:`operate` is one of those actions as the gateway's admin routes and the console run it (the
+reason audited with who asked, then announced). :func:`announce` puts new statuses on the versions
+topic; :func:`node_waker` is the registry's hook that wakes the nodes after a change (best effort:
+they poll the registry anyway).
 """
 
 from __future__ import annotations
@@ -174,6 +176,34 @@ def manual_unpin(registry: Any, by: str, reason: str = "") -> PinInfo:
     if lifted is None:
         raise RolloutError(f"model line {registry.model_line!r} is not pinned")
     return lifted
+
+
+#: The actions :func:`operate` runs on one version.
+VERSION_ACTIONS = ("promote", "rollback", "pin", "clear")
+
+
+def operate(settings: Settings, registry: Any, action: str, version: int, who: str, reason: str = "",
+            force: bool = False) -> dict[str, Any]:
+    """``promote``, ``rollback``, ``pin`` or ``clear`` ``version`` for ``who`` (audited with
+    ``reason``), then announce the changed statuses (a bus that is down only loses the notice: nodes
+    follow the registry). Returns ``{"changed": [{"version", "status"}], "pin"?: ...}``; raises
+    :class:`RolloutError` (refused) or ``VersionNotFound``."""
+    pin = None
+    if action == "pin":
+        pin, changed = manual_pin(registry, version, who, reason)
+    else:
+        act = {"promote": manual_promote, "rollback": manual_rollback, "clear": manual_clear}[action]
+        note = reason if action == "clear" else f"{who}: {reason}" if reason else who
+        changed = act(registry, version, note, force=force, by=who)
+    infos = [registry.get(v) for v in changed]
+    try:
+        announce(settings, infos)
+    except Exception as exc:  # the bus is down: the change stands (nodes follow the registry)
+        log.warning("version change not announced on the bus: %s", exc)
+    result: dict[str, Any] = {"changed": [{"version": i.version, "status": i.status} for i in infos]}
+    if pin is not None:
+        result["pin"] = pin_figures(pin)
+    return result
 
 
 def pin_figures(pin: PinInfo) -> dict[str, Any]:

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -41,8 +40,6 @@ from serving.protocol import read_json_body
 
 if TYPE_CHECKING:
     from flywheel.weights.registry import Registry
-
-log = logging.getLogger(__name__)
 
 #: The most an admin request body may hold.
 MAX_BODY_BYTES = 4096
@@ -108,7 +105,7 @@ async def admin_version_action(version: int, action: str, request: Request) -> d
     gateway = services(request)
     settings = gateway.settings
     who = await gateway.access.admin(request)
-    if action not in ("promote", "rollback", "pin", "clear"):
+    if action not in ("promote", "rollback", "pin", "clear"):  # rollout_actions.VERSION_ACTIONS (not loaded yet)
         raise APIError(404, f"unknown version action {action!r}; promote, rollback, pin or clear", code="not_found")
     body = await read_optional_body(request, LinePinRequest if action == "pin" else RolloutActionRequest,
                                     settings.gateway.body_read_timeout_s)
@@ -118,27 +115,9 @@ async def admin_version_action(version: int, action: str, request: Request) -> d
     registry = line_registry(settings, gateway.sessions)
     from flywheel.weights.registry import VersionNotFound  # loaded by line_registry
 
-    def apply() -> dict[str, Any]:
-        pin = None
-        if isinstance(body, LinePinRequest):
-            pin, changed = actions().manual_pin(registry, version, who, body.reason)
-        else:
-            act = {"promote": actions().manual_promote, "rollback": actions().manual_rollback,
-                   "clear": actions().manual_clear}[action]
-            note = body.reason if action == "clear" else f"{who}: {body.reason}" if body.reason else who
-            changed = act(registry, version, note, force=body.force, by=who)
-        infos = [registry.get(v) for v in changed]
-        try:
-            actions().announce(settings, infos)
-        except Exception as exc:  # the bus is down: the change stands (nodes follow the registry)
-            log.warning("version change not announced on the bus: %s", exc)
-        result: dict[str, Any] = {"changed": [{"version": i.version, "status": i.status} for i in infos]}
-        if pin is not None:
-            result["pin"] = actions().pin_figures(pin)
-        return result
-
     try:
-        result = await asyncio.to_thread(apply)
+        result = await asyncio.to_thread(actions().operate, settings, registry, action, version, who, body.reason,
+                                         getattr(body, "force", False))
     except VersionNotFound:
         raise APIError(404, f"version {version} of {settings.model.line} is not in the registry",
                        param="version", code="version_not_found") from None

@@ -150,12 +150,16 @@ class Access:
     async def limit(self, principal: Principal) -> None:
         """A 429 with ``Retry-After`` once the key used up its requests per minute (and burst)."""
         rpm = principal.rate_limit_rpm if principal.rate_limit_rpm is not None else self.settings.rate_limit_rpm
+        await self.limit_by(principal.key_id, rpm, self.settings.rate_limit_burst, "this API key")
+
+    async def limit_by(self, bucket: str, rpm: int, burst: int = 0, what: str = "this caller") -> None:
+        """A 429 with ``Retry-After`` once ``bucket`` used up ``rpm`` requests per minute (and burst)."""
         if rpm <= 0:
             return
-        retry = await self.state.admit(principal.key_id, rpm, self.settings.rate_limit_burst)
+        retry = await self.state.admit(bucket, rpm, burst)
         if retry is not None:
             seconds = max(1, int(retry + 0.999))
-            raise APIError(429, f"rate limit of {rpm} requests per minute reached for this API key; "
+            raise APIError(429, f"rate limit of {rpm} requests per minute reached for {what}; "
                            f"retry in {seconds} s", code="rate_limit_exceeded", headers={"Retry-After": str(seconds)})
 
     async def admin(self, request: Request) -> str:

@@ -1,4 +1,4 @@
-"""The gateway's shared, expiring state: rate limits, sticky sessions, owners, feedback claims, pins.
+"""The gateway's shared, expiring state: rate limits, sticky sessions, owners, feedback claims, pins, console logins.
 
 Two backends behind one async interface (:class:`GatewayState`), chosen by ``settings.live.kind``:
 ``memory`` (one gateway process, the embedded default) and ``redis`` (``redis.asyncio``, shared by
@@ -24,6 +24,8 @@ Invariants:
   :class:`serving.gateway.auth.Ownership`.
 - A feedback id is claimed once per tenant (:meth:`GatewayState.claim_feedback`): the first
   submission's content is kept for the ownership TTL, so a replay can be compared with it.
+- A console login (:meth:`GatewayState.put_console`) is stored under the SHA-256 of its cookie's
+  token, never the token itself, and expires with the TTL it was written with.
 - Backend failures surface as :class:`StateUnavailable` (never a silent default).
 """
 
@@ -82,6 +84,16 @@ class GatewayState(Protocol):
     async def set_pin(self, tenant: str, version: int | None) -> None:
         """Pin ``tenant``'s new sessions to ``version``; None removes the pin."""
         ...
+
+    async def put_console(self, token_sha: str, record: str, ttl_s: float) -> None:
+        """Store a console login (its record, JSON) under the SHA-256 of its token."""
+        ...
+
+    async def console(self, token_sha: str) -> str | None:
+        """The record of a live console login; None once it expired or was dropped."""
+        ...
+
+    async def drop_console(self, token_sha: str) -> None: ...
 
     async def close(self) -> None: ...
 
@@ -175,6 +187,7 @@ class MemoryState:
         self._sessions = _TTLMap(max_entries)
         self._generations = _TTLMap(max_entries)
         self._feedback = _TTLMap(max_entries)
+        self._consoles = _TTLMap(10_000)
         self._pins: dict[str, int] = {}
 
     async def admit(self, key_id: str, rpm: int, burst: int) -> float | None:
@@ -231,6 +244,15 @@ class MemoryState:
             self._pins.pop(tenant, None)
         else:
             self._pins[tenant] = int(version)
+
+    async def put_console(self, token_sha: str, record: str, ttl_s: float) -> None:
+        self._consoles.put(token_sha, record, time.monotonic() + _check_ttl(ttl_s) / 1000)
+
+    async def console(self, token_sha: str) -> str | None:
+        return self._consoles.get(token_sha, time.monotonic())
+
+    async def drop_console(self, token_sha: str) -> None:
+        self._consoles.pop(token_sha)
 
     async def close(self) -> None:
         pass
@@ -373,6 +395,18 @@ class RedisState:
             await self._redis.hdel(self._pins_key, tenant)
         else:
             await self._redis.hset(self._pins_key, tenant, str(int(version)))
+
+    @_guard
+    async def put_console(self, token_sha: str, record: str, ttl_s: float) -> None:
+        await self._redis.set(f"{self.prefix}c:{token_sha}", record, px=_check_ttl(ttl_s))
+
+    @_guard
+    async def console(self, token_sha: str) -> str | None:
+        return await self._redis.get(f"{self.prefix}c:{token_sha}")
+
+    @_guard
+    async def drop_console(self, token_sha: str) -> None:
+        await self._redis.delete(f"{self.prefix}c:{token_sha}")
 
     async def close(self) -> None:
         await self._redis.aclose()
