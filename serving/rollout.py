@@ -120,6 +120,7 @@ from serving.rollout_policy import (
     parity_gate,
     restore_after_failed_load,
 )
+from serving.rollout_record import record
 
 log = logging.getLogger(__name__)
 
@@ -437,7 +438,7 @@ def run(settings: Settings, stop: threading.Event | None = None) -> None:
     try:
         while not stop.is_set():
             heartbeat.beat()
-            step(registry, sessions, settings.rollout, notify)
+            record(sessions, settings.model.line, step(registry, sessions, settings.rollout, notify))
             heartbeat.beat()
             due = time.monotonic() + settings.rollout.interval_s
             while not stop.wait(max(0.0, min(BEAT_EVERY_S, due - time.monotonic()))) and time.monotonic() < due:

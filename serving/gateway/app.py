@@ -5,7 +5,8 @@ feedback, assembled from its parts.
 (:func:`serving.gateway.services.open_services`) and closes them in reverse order; the error
 handlers (:mod:`serving.errors`) turn every exception into one OpenAI envelope; the routers are
 mounted: :mod:`serving.gateway.api_router` (the OpenAI API, health, metrics) and
-:mod:`serving.gateway.admin_router` (capture depth, pins, the line's versions); the OpenAPI
+:mod:`serving.gateway.admin_router` (capture depth, pins, the line's versions) and
+:mod:`serving.console.router` (the operator console under ``/console``); the OpenAPI
 document gains the request bodies (:mod:`serving.gateway.openapi`). ``producer_factory`` replaces
 the bus producer (tests inject a broken one).
 
@@ -29,6 +30,7 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CollectorRegistry
 
 from flywheel.settings import Settings
+from serving.console import router as console_router
 from serving.errors import install_error_handlers, state_unavailable
 from serving.gateway import admin_router, api_router, openapi
 from serving.gateway.metrics import GatewayMetrics
@@ -85,5 +87,6 @@ def create_app(settings: Settings, *, producer_factory: Callable[[], Any] | None
     app.add_middleware(SessionEcho, metrics=metrics)
     app.include_router(api_router.router)
     app.include_router(admin_router.router)
+    app.include_router(console_router.router)
     openapi.install(app)
     return app

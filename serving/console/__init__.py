@@ -1,0 +1,1 @@
+"""The operator console: server-rendered pages under ``/console`` that show and steer the flywheel."""
