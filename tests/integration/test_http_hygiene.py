@@ -43,7 +43,7 @@ from fastapi.responses import StreamingResponse
 from flywheel.settings import Settings, load_settings
 from testbed.procs import free_port
 from tests.fixtures.roles import raw_exchange, served_app, wait_until
-from tests.fixtures.traffic import write_config
+from tests.fixtures.traffic import clean_env, start_up
 
 pytestmark = pytest.mark.integration
 
@@ -78,7 +78,7 @@ class Up:
     def cli(self, *argv: str) -> str:
         """``flywheel --config ... ARGV`` as its own process (under umask 022, as the stack)."""
         result = subprocess.run([sys.executable, "-m", "launch.cli", "--config", str(self.config), *argv],
-                                cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120, umask=0o022)
+                                cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=120, umask=0o022)
         assert result.returncode == 0, result.stderr
         return result.stdout
 
@@ -86,10 +86,6 @@ class Up:
         logs = [self.log, *sorted((self.settings.data_path / "logs").glob("*.log"))]
         return "\n".join(f"== {p.name}\n" + "\n".join(p.read_text(errors="replace").splitlines()[-lines:])
                          for p in logs if p.exists())
-
-
-def _env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if not k.startswith("FLYWHEEL_")}
 
 
 @pytest.fixture(scope="module")
@@ -108,12 +104,7 @@ def up(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Iterat
         ingest={"inactivity_timeout_s": 1.0},
         trainer={"batch_size": 1},
     )
-    config = write_config(root / "settings.json", settings)
-    log = root / "up.log"
-    with open(log, "ab") as out:
-        process = subprocess.Popen([sys.executable, "-m", "launch.cli", "--config", str(config), "up"], cwd=ROOT,
-                                   env=_env(), stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                   start_new_session=True, umask=0o022)
+    config, log, process = start_up(root, settings, umask=0o022)
     stack = Up(settings, config, log, process)
     try:
         def ready() -> bool:
