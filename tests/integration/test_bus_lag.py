@@ -21,10 +21,10 @@ from flywheel.bus import Bus, BusError, Consumer, Record, make_bus
 from flywheel.bus.base import stage_lags
 from flywheel.settings import STAGE_TOPICS, Settings
 from testbed.procs import free_port
+from tests.integration.test_bus import drain
 
 pytestmark = pytest.mark.integration
 
-DEADLINE_S = 30.0
 
 
 @pytest.fixture
@@ -42,19 +42,6 @@ def produce(bus: Bus, topic: str, n: int, tag: str = "v") -> None:
         producer.flush()
     finally:
         producer.close()
-
-
-def drain(consumer: Consumer, expected: int, *, settle_s: float = 0.5) -> list[Record]:
-    """Poll until ``expected`` records arrived, then ``settle_s`` more to catch any extra."""
-    out: list[Record] = []
-    deadline = time.monotonic() + DEADLINE_S
-    while len(out) < expected:
-        assert time.monotonic() < deadline, f"got {len(out)} of {expected} records in {DEADLINE_S}s"
-        out.extend(consumer.poll(0.5))
-    end = time.monotonic() + settle_s
-    while time.monotonic() < end:
-        out.extend(consumer.poll(0.1))
-    return out
 
 
 def first_part_of_each_partition(records: list[Record]) -> list[Record]:
