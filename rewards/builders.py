@@ -24,6 +24,10 @@ request, its ``k`` choices (``rewards.credit.steps_of``), each getting ``1/k`` o
 (:meth:`Ledger.parts`): a session-level signal weighs the same whatever ``n`` was, says nothing
 about one choice against another, and spreads to earlier steps as from one turn (``rewards.credit``).
 For a session without groups all of this is "the last turn", as it always was.
+
+The ``metrics`` builder maps a deployment's own product metrics (any feedback signal, by name) the
+same way: a ``generation``-level metric as explicit feedback, a ``session``-level one as an outcome.
+The guards that read the turns' text live in ``rewards.text_guards``.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from typing import Any
 
 from flywheel.events import FeedbackEvent, TrajectoryEvent
 from rewards.credit import steps_of, turn_groups
-from rewards.spec import ExplicitParams, ImplicitParams, LengthParams, OutcomeParams
+from rewards.spec import BooleanMetric, ExplicitParams, FloatMetric, ImplicitParams, LengthParams, MetricsParams, OutcomeParams
 
 
 @dataclass(frozen=True)
@@ -178,9 +182,39 @@ def length_penalty(traj: TrajectoryEvent, p: LengthParams) -> RewardOutput:
     return ledger.output()
 
 
+def metric_value(m: BooleanMetric | FloatMetric, value: float | None) -> float | None:
+    """What one event of metric ``m`` with ``value`` is worth (``rewards.spec.MetricSignal``);
+    ``None``: nothing (a float metric's event without a value)."""
+    if isinstance(m, BooleanMetric):
+        return m.when_true if value is None or value > 0 else m.when_false
+    if value is None:
+        return None
+    v = max(m.low, min(m.high, value))
+    return m.at_low + (v - m.low) / (m.high - m.low) * (m.at_high - m.at_low)
+
+
+def metrics(traj: TrajectoryEvent, p: MetricsParams) -> RewardOutput:
+    """Product metrics by name: every feedback event whose ``signal`` is one of ``p.signals``,
+    whatever its kind, is worth :func:`metric_value`; a ``generation``-level metric's reward stays on
+    the turn the event names, a ``session``-level one is a session outcome anchored there (both land
+    on the last step when the event names no generation). Components are named by signal."""
+    ledger = Ledger(traj)
+    for fb in traj.feedback:
+        m = p.signals.get(fb.signal)
+        if m is None or (amount := metric_value(m, fb.value)) is None:
+            continue
+        for i, part in ledger.parts(fb):
+            if m.level == "generation":
+                ledger.turn(fb.signal, i, amount * part)
+            else:
+                ledger.session(fb.signal, i, amount * part)
+    return ledger.output()
+
+
 BUILTIN: Mapping[str, Builder] = {
     "explicit": explicit,
     "implicit": implicit,
     "outcome": outcome,
     "length": length_penalty,
+    "metrics": metrics,
 }

@@ -51,7 +51,7 @@ def rescore(settings: Settings, spec_path: str) -> RescoreResult:
     spec = load_spec(spec_path)
     engine = open_database(settings.database_url, settings.db.wait_s)
     sessions = make_session_factory(engine)
-    scorer = Scorer(spec, transcripts=store.DbTranscripts(sessions),
+    scorer = Scorer(spec, transcripts=store.DbTranscripts(sessions), generations=store.DbGenerations(sessions),
                     judge_api_key=settings.rewards.judge_api_key)
     normaliser = Normaliser(spec.normalise)
     seen = inserted = held = 0

@@ -10,6 +10,10 @@ by giving earlier steps, and the siblings of an outcome's anchor, a share of it,
 clipping changed. Invariant: ``total == sum(turn_rewards) == sum(components.values())`` (to 1e-9),
 and ``outcome`` is empty.
 
+The text guards (``rewards.text_guards``) read what each turn said from a ``generations`` source
+(``rewards.texts``), once per trajectory; a spec that enables one needs it, as the judge needs its
+transcripts: without one the scorer is not built.
+
 Custom builders are found by entry point (group ``flywheel.reward_builders``, :data:`ENTRY_POINT_GROUP`)
 or by ``module:function``, when the scorer is built: a missing one fails at start, not mid-stream.
 A builder returning the wrong number of turns or a non-finite value raises :class:`BuilderError`.
@@ -30,6 +34,8 @@ from rewards import credit, guards
 from rewards.builders import BUILTIN, Builder, RewardOutput
 from rewards.judge import Judge, Transcripts
 from rewards.spec import CustomBuilder, RewardSpec, SpecError
+from rewards.text_guards import TEXT_BUILTIN
+from rewards.texts import Generations, TurnTexts
 
 ENTRY_POINT_GROUP = "flywheel.reward_builders"
 _NOISE = 1e-12
@@ -64,9 +70,10 @@ class Scorer:
     """Callable ``trajectory -> RewardOutput`` for one spec (module docstring)."""
 
     def __init__(self, spec: RewardSpec, *, transcripts: Transcripts | None = None, judge_api_key: str = "",
-                 judge_client: httpx.Client | None = None) -> None:
+                 judge_client: httpx.Client | None = None, generations: Generations | None = None) -> None:
         self.spec = spec
         self._judges: list[Judge] = []
+        texts = TurnTexts(generations) if generations is not None else None
         self.builders: list[tuple[str, Builder, Any, float]] = []
         for entry in spec.builders:
             if not entry.enabled:
@@ -78,6 +85,10 @@ class Scorer:
                 judge = Judge(entry.params, transcripts, judge_api_key, judge_client)
                 self._judges.append(judge)
                 fn, label = judge, "judge"
+            elif entry.kind in TEXT_BUILTIN:
+                if texts is None:
+                    raise SpecError(f"the {entry.kind} builder reads what the turns said: it needs a generations source")
+                fn, label = texts.bind(TEXT_BUILTIN[entry.kind]), entry.kind
             elif isinstance(entry, CustomBuilder):
                 fn, label = load_custom(entry), entry.entry_point or entry.target
             else:

@@ -3,15 +3,21 @@
 A spec names its ``version`` (every score it produces carries it), the builders to combine with
 their weights and parameters, the credit rule, the guards (clipping, held-out slice, anomaly
 detection) and the normalisation. ``rewards.spec_path`` selects the file; empty selects the
-built-in default, ``rewards/specs/default.toml``, which states every value explicitly.
+built-in default, ``rewards/specs/default.toml``, which states every value explicitly. The other
+files of ``rewards/specs/`` are templates, selected by their name (``"coding-agent"``: see
+:func:`builtin_specs`), in ``spec_path`` or in ``extends``.
 
 Invariants:
 - Unknown keys anywhere are errors, and every problem of a file is reported at once (:class:`SpecError`).
-- ``extends = "default"`` (or a path, relative to the extending file) starts from another spec:
+- ``extends = "default"`` (or a template's name, or a path relative to the extending file) starts from another spec:
   tables merge key by key, arrays (``builders``) are replaced whole. The result is validated as a whole.
 - :attr:`RewardSpec.sha256` fingerprints the resolved spec; one ``version`` must always name one
   fingerprint (``rewards.store.register_spec`` refuses a changed spec under an old version).
-- The model defaults are the default spec's values (a unit test keeps the file and the defaults equal).
+- The model defaults are the default spec's values (a unit test keeps the file and the defaults equal);
+  the builder kinds the default spec does not list (``metrics`` and the text guards ``tool_calls``,
+  ``clarify``, ``echo``) have their defaults stated in the templates that use them.
+- A ``metrics`` builder may not name a signal that another enabled builder already reads (it would
+  count twice), and a metric's rewards must agree with its declared ``direction``.
 """
 
 from __future__ import annotations
@@ -80,6 +86,106 @@ class LengthParams(_Strict):
     max_penalty: float = Field(1.0, ge=0)
 
 
+#: A product metric's name, as feedback events carry it in ``signal`` (``flywheel.events.FeedbackEvent``).
+SignalName = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[^\x00-\x1f\x7f]+$")]
+
+
+class _Metric(_Strict):
+    level: Literal["generation", "session"] = "generation"
+    direction: Literal["max", "min"] = "max"
+
+    def _check_direction(self, best: float, worst: float) -> None:
+        """``best``/``worst``: the rewards of the values ``direction = "max"`` calls best and worst."""
+        if self.direction == "min":
+            best, worst = worst, best
+        if best < worst:
+            raise ValueError(f"direction = {self.direction!r}, but the worse value is rewarded more")
+
+
+class BooleanMetric(_Metric):
+    """A ``boolean`` metric: a value > 0, or none (the event itself is the fact), is true ->
+    ``when_true``; 0 or below -> ``when_false``."""
+
+    type: Literal["boolean"]
+    when_true: float
+    when_false: float
+
+    @model_validator(mode="after")
+    def _direction(self) -> BooleanMetric:
+        self._check_direction(self.when_true, self.when_false)
+        return self
+
+
+class FloatMetric(_Metric):
+    """A ``float`` metric: the value, clamped to ``[low, high]``, maps linearly to ``[at_low, at_high]``;
+    an event without a value scores nothing."""
+
+    type: Literal["float"]
+    low: float
+    high: float
+    at_low: float
+    at_high: float
+
+    @model_validator(mode="after")
+    def _range(self) -> FloatMetric:
+        if self.high <= self.low:
+            raise ValueError("high must be above low")
+        self._check_direction(self.at_high, self.at_low)
+        return self
+
+
+#: One product metric, declared as the ``[metrics]`` settings declare it (``type``, ``level``,
+#: ``direction``), with what its values are worth. ``level = "generation"``: a reward on the turn
+#: the event names (the last step when it names none), as thumbs are; ``"session"``: a session
+#: outcome anchored there, spread by ``[credit]``. ``direction``: ``max`` (more, or true, is
+#: better) or ``min``; the rewards must not say otherwise.
+MetricSignal = Annotated[BooleanMetric | FloatMetric, Field(discriminator="type")]
+
+
+class MetricsParams(_Strict):
+    """Product metrics by signal name (any feedback kind): ``signals.NAME = { type = ..., ... }``."""
+
+    signals: dict[SignalName, MetricSignal] = Field(min_length=1)
+
+
+class ToolCallParams(_Strict):
+    """``-penalty`` on a turn that ends in a broken tool call: arguments that are not a JSON object,
+    a name the request's ``tools`` did not offer (``check_names``), ``finish_reason = "tool_calls"``
+    with no call, or tool-call syntax left unparsed in the text (any of ``markers``)."""
+
+    penalty: float = Field(1.0, ge=0)
+    check_names: bool = True
+    markers: list[Annotated[str, Field(min_length=2)]] = ["<tool_call>", "<|tool_call", "<function=", "[TOOL_CALLS]"]
+
+
+class ClarifyParams(_Strict):
+    """``-penalty`` on a turn that asks instead of acting on a task that was specified: it answers
+    the user's message directly (not a tool result), the request offered tools (``require_tools``),
+    the user's message has ``min_task_words`` words or more, the turn calls no tool, and it is a
+    question: a sentence ending in ``?`` (or holding one of ``phrases``) with at most
+    ``max_other_words`` words outside such sentences."""
+
+    penalty: float = Field(0.5, ge=0)
+    require_tools: bool = True
+    min_task_words: int = Field(8, ge=0)
+    max_other_words: int = Field(15, ge=0)
+    phrases: list[Annotated[str, Field(min_length=3)]] = [
+        "could you clarify", "can you clarify", "could you confirm", "can you confirm", "please confirm",
+        "do you want me to", "would you like me to", "before i start", "before i proceed", "before i begin",
+    ]
+
+
+class EchoParams(_Strict):
+    """``-penalty * (overlap - free_overlap) / (1 - free_overlap)`` on a turn whose text's word
+    ``n``-grams are more than ``free_overlap`` found in the user's messages; turns with fewer than
+    ``min_ngrams`` n-grams are not judged."""
+
+    n: int = Field(4, ge=1)
+    free_overlap: float = Field(0.3, ge=0, lt=1)
+    penalty: float = Field(1.0, ge=0)
+    min_ngrams: int = Field(3, ge=1)
+
+
 class JudgeParams(_Strict):
     """An OpenAI-compatible ``/v1/chat/completions`` endpoint asked to grade the session with ``rubric``.
 
@@ -145,6 +251,26 @@ class JudgeBuilder(_Builder):
     params: JudgeParams = JudgeParams()
 
 
+class MetricsBuilder(_Builder):
+    kind: Literal["metrics"]
+    params: MetricsParams
+
+
+class ToolCallBuilder(_Builder):
+    kind: Literal["tool_calls"]
+    params: ToolCallParams = ToolCallParams()
+
+
+class ClarifyBuilder(_Builder):
+    kind: Literal["clarify"]
+    params: ClarifyParams = ClarifyParams()
+
+
+class EchoBuilder(_Builder):
+    kind: Literal["echo"]
+    params: EchoParams = EchoParams()
+
+
 class CustomBuilder(_Builder):
     """A Python builder ``(trajectory, params) -> RewardOutput``: an entry point in the
     ``flywheel.reward_builders`` group (``entry_point = "name"``) or ``target = "module:function"``."""
@@ -165,9 +291,14 @@ class CustomBuilder(_Builder):
 
 
 BuilderSpec = Annotated[
-    ExplicitBuilder | ImplicitBuilder | OutcomeBuilder | LengthBuilder | JudgeBuilder | CustomBuilder,
+    ExplicitBuilder | ImplicitBuilder | OutcomeBuilder | LengthBuilder | JudgeBuilder | MetricsBuilder
+    | ToolCallBuilder | ClarifyBuilder | EchoBuilder | CustomBuilder,
     Field(discriminator="kind"),
 ]
+
+#: The signals each built-in feedback builder reads: a ``metrics`` builder may not read them too.
+READS = {"explicit": {"thumbs", "rating"}, "outcome": {"task_solved", "tests_passed"},
+         "implicit": {"edit_accepted", "edit_rejected", "text_kept", "retry", "abandon"}}
 
 
 # --- credit, guards, normalisation ---------------------------------------------------------------
@@ -233,6 +364,20 @@ class RewardSpec(_Strict):
             raise ValueError("no builder is enabled")
         return self
 
+    @model_validator(mode="after")
+    def _signals_counted_once(self) -> RewardSpec:
+        readers: dict[str, str] = {}
+        for b in self.builders:
+            if not b.enabled:
+                continue
+            names = set(b.params.signals) if isinstance(b, MetricsBuilder) else READS.get(b.kind, set())
+            for signal in sorted(names):
+                if signal in readers:
+                    raise ValueError(f"signal {signal!r} is read by both the {readers[signal]} and the {b.kind} "
+                                     f"builder: it would count twice")
+                readers[signal] = b.kind
+        return self
+
     @property
     def sha256(self) -> str:
         canonical = json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
@@ -243,15 +388,35 @@ class RewardSpec(_Strict):
 
 
 def default_spec_text() -> str:
-    return resources.files("rewards").joinpath("specs", DEFAULT_SPEC).read_text()
+    return builtin_spec_text("default")
+
+
+def builtin_specs() -> list[str]:
+    """The names of the specs shipped in ``rewards/specs/`` (``default`` and the templates)."""
+    folder = resources.files("rewards").joinpath("specs")
+    return sorted(p.name.removesuffix(".toml") for p in folder.iterdir() if p.name.endswith(".toml"))
+
+
+def builtin_spec_text(name: str) -> str:
+    return resources.files("rewards").joinpath("specs", f"{name}.toml").read_text()
+
+
+def _name(path: str | Path | None) -> str:
+    """A shipped spec's name (a string naming one: ``""`` and ``None`` name ``default``), else the resolved path."""
+    if path is None or path == "":
+        return "default"
+    if isinstance(path, str) and path in builtin_specs():
+        return path
+    return str(Path(path).resolve())
 
 
 def _read(path: str | Path | None, seen: tuple[str, ...] = ()) -> dict[str, Any]:
-    name = "default" if path in (None, "", "default") else str(Path(path).resolve())
+    name = _name(path)
+    builtin = name in builtin_specs()
     if name in seen:
         raise SpecError(f"reward spec extends itself: {' -> '.join(seen + (name,))}")
     try:
-        text = default_spec_text() if name == "default" else Path(name).read_text()
+        text = builtin_spec_text(name) if builtin else Path(name).read_text()
         data = tomllib.loads(text)
     except (OSError, ValueError) as exc:
         raise SpecError(f"cannot read reward spec {name}: {exc}") from exc
@@ -260,7 +425,9 @@ def _read(path: str | Path | None, seen: tuple[str, ...] = ()) -> dict[str, Any]
         return data
     if not isinstance(parent, str):
         raise SpecError(f"reward spec {name}: extends must be a string")
-    if parent != "default" and name != "default":
+    if parent not in builtin_specs():
+        if builtin:
+            raise SpecError(f"reward spec {name}: a shipped spec extends only shipped specs, not {parent!r}")
         parent = str(Path(name).parent / parent)
     return _merge(_read(parent, seen + (name,)), data)
 
@@ -281,5 +448,6 @@ def parse_spec(data: dict[str, Any], name: str = "<spec>") -> RewardSpec:
 
 
 def load_spec(path: str | Path | None = None) -> RewardSpec:
-    """The spec at ``path`` (empty or ``None``: the built-in default), resolved and validated."""
+    """The spec at ``path`` (empty or ``None``: the built-in default; a shipped spec's name: that
+    spec, :func:`builtin_specs`), resolved and validated."""
     return parse_spec(_read(path), str(path or "default"))

@@ -1,5 +1,5 @@
 """The rewards stage's database access: spec registry, scored rows, per-version reward stats, and
-the conversations the judge reads. Small functions over a caller's session; none commits.
+the conversations the judge and the text guards read. Small functions over a caller's session; none commits.
 
 Invariants:
 - A spec version names one spec forever: :func:`register_spec` records its fingerprint the first
@@ -240,17 +240,31 @@ def restore_normaliser(db: Session, normaliser: Normaliser, spec_version: str, r
     return replayed
 
 
-# --- the judge's conversations ---------------------------------------------------------------------
+# --- the conversations the judge and the text guards read --------------------------------------------
+
+
+class DbGenerations:
+    """``trajectory -> {generation_id: payload}``: its stored generations, of its own tenant only
+    (``rewards.texts.Generations``)."""
+
+    def __init__(self, sessions: sessionmaker[Session]) -> None:
+        self.sessions = sessions
+
+    def __call__(self, traj: TrajectoryEvent) -> dict[str, dict[str, Any]]:
+        if not traj.generation_ids:
+            return {}
+        with self.sessions() as db:
+            return dict(db.execute(select(Generation.generation_id, Generation.payload)
+                                   .where(Generation.generation_id.in_(traj.generation_ids),
+                                          Generation.tenant == traj.tenant)).all())
 
 
 class DbTranscripts:
     """``trajectory -> conversation`` from the stored generations (``rewards.judge.transcript_of``)."""
 
     def __init__(self, sessions: sessionmaker[Session]) -> None:
-        self.sessions = sessions
+        self.generations = DbGenerations(sessions)
 
     def __call__(self, traj: TrajectoryEvent) -> list[dict[str, Any]]:
-        with self.sessions() as db:
-            found = dict(db.execute(select(Generation.generation_id, Generation.payload)
-                                    .where(Generation.generation_id.in_(traj.generation_ids))).all())
+        found = self.generations(traj)
         return transcript_of([found[g] for g in traj.generation_ids if g in found])

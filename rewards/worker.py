@@ -1,7 +1,8 @@
 """The rewards worker: trajectories from the bus -> scored (persisted, then produced).
 
 Per polled batch: decode (undecodable -> dead letter), score every trajectory with the spec (pure
-builders; the judge, when enabled, is called here, outside any transaction; a trajectory no builder
+builders; the judge, when enabled, is called here, outside any transaction, and the text guards,
+when enabled, read the trajectory's stored generations here too; a trajectory no builder
 can score, or that ingest never stored (``rewards.require_stored``: a forged or stray record) -> dead
 letter), then in ONE database
 transaction: find the batch's rows already scored (a replay), compute advantages for the others
@@ -184,7 +185,7 @@ def run(settings: Settings, stop: threading.Event | None = None) -> None:
     spec = load_spec(settings.rewards.spec_path)
     engine = open_database(settings.database_url, settings.db.wait_s)
     sessions = make_session_factory(engine)
-    scorer = Scorer(spec, transcripts=store.DbTranscripts(sessions),
+    scorer = Scorer(spec, transcripts=store.DbTranscripts(sessions), generations=store.DbGenerations(sessions),
                     judge_api_key=settings.rewards.judge_api_key)
     normaliser: Normaliser | None
     normaliser, restored = _prepare(sessions, spec, settings.rewards.restore_rows)
