@@ -20,12 +20,16 @@ import json
 import os
 import re
 import tomllib
+from datetime import datetime
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import unquote
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+from flywheel.metrics import Declarations, UndeclaredCustom
+from flywheel.release_windows import parse_windows, time_zone
 
 # Secrets ---------------------------------------------------------------------------------------
 
@@ -327,6 +331,18 @@ class IngestSettings(_Section):
         return self.orphan_timeout_s if self.orphan_timeout_s is not None else 10 * self.inactivity_timeout_s
 
 
+class MetricsSettings(_Section):
+    """The product's declared metrics (flywheel/metrics.py): what feedback may name besides the built-ins."""
+
+    #: Name -> declaration: ``[metrics.declared.helpfulness]`` with ``type`` (boolean, float,
+    #: comment), ``level`` (generation, session), ``direction`` (max, min; none for a comment) and a
+    #: float's optional ``min`` / ``max``. Feedback names one in ``metric`` (kind ``custom`` on the wire).
+    declared: Declarations = Field(default_factory=dict)
+    #: Custom feedback naming no declared metric: ``reject`` (a 400 naming the field) or ``accept``
+    #: (unchecked, as before metrics were declared; never a metric).
+    undeclared_custom: UndeclaredCustom = "reject"
+
+
 class RewardSettings(_Section):
     #: The reward spec (a TOML file, see rewards/spec.py); empty means the built-in default spec
     #: (rewards/specs/default.toml). What rewards are worth lives in the spec, not here.
@@ -428,6 +444,16 @@ class TrainerSettings(_Section):
         return self
 
 
+class FreezeSettings(_Section):
+    """A period in which the rollout controller promotes nothing (one ``rollout.freezes`` entry)."""
+
+    #: ISO 8601 date-times, ``start`` inclusive, ``end`` exclusive; without an offset, in ``rollout.timezone``.
+    start: datetime
+    end: datetime
+    #: Why (shown in every decision the freeze holds).
+    reason: str = Field(min_length=1)
+
+
 class RolloutSettings(_Section):
     """The rollout controller's policy (serving/rollout.py has the statistics and their reading)."""
 
@@ -456,6 +482,41 @@ class RolloutSettings(_Section):
     parity_metric: str = Field("parity", min_length=1)
     #: Parity gate: a version whose parity figure is at or above this is not promoted.
     parity_max: float = Field(0.05, gt=0)
+    # The release calendar (serving/rollout_calendar.py): when a promotion to stable may happen.
+    # Canary starts and rollbacks are never held by it.
+    #: The IANA time zone the windows, freezes without an offset and the daily limit's days are in.
+    timezone: str = "UTC"
+    #: Weekly wall-clock windows in which promotions may happen (flywheel/release_windows.py); none may
+    #: overlap another. Empty: always.
+    windows: list[str] = []
+    #: Periods in which nothing is promoted (each ``{start, end, reason}``); they may overlap.
+    freezes: list[FreezeSettings] = []
+    #: The controller's automatic promotions allowed per local day (0: no limit).
+    max_promotions_per_day: int = Field(0, ge=0)
+    #: A canary is promoted no earlier than this many seconds after it became canary; a candidate
+    #: promoted directly (``canary_fraction`` 0), this long after it was published.
+    min_soak_s: float = Field(0.0, ge=0)
+
+    @field_validator("timezone")
+    @classmethod
+    def _known_zone(cls, name: str) -> str:
+        time_zone(name)
+        return name
+
+    @field_validator("windows")
+    @classmethod
+    def _valid_windows(cls, texts: list[str]) -> list[str]:
+        parse_windows(texts)
+        return texts
+
+    @model_validator(mode="after")
+    def _freezes_in_zone(self) -> RolloutSettings:
+        zone = time_zone(self.timezone)
+        for i, freeze in enumerate(self.freezes):
+            freeze.start, freeze.end = (t if t.tzinfo else t.replace(tzinfo=zone) for t in (freeze.start, freeze.end))
+            if freeze.end <= freeze.start:
+                raise ValueError(f"rollout.freezes[{i}] ({freeze.reason}) ends before it starts")
+        return self
 
 
 #: The topics each consuming stage reads (short names, ``Settings.topic`` adds the prefix), in the
@@ -487,6 +548,7 @@ class Settings(BaseSettings):
     gateway: GatewaySettings = GatewaySettings()
     node: NodeSettings = NodeSettings()
     ingest: IngestSettings = IngestSettings()
+    metrics: MetricsSettings = MetricsSettings()
     rewards: RewardSettings = RewardSettings()
     trainer: TrainerSettings = TrainerSettings()
     rollout: RolloutSettings = RolloutSettings()

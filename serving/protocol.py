@@ -148,16 +148,21 @@ class CompletionRequest(_SamplingFields):
 
 
 class FeedbackItem(BaseModel):
-    """One feedback submission; ``feedback_id`` is the client's idempotency key."""
+    """One feedback submission about one metric (``flywheel.metrics``), named in ``metric`` or, as
+    before metrics were declared, in ``kind`` + ``signal``; ``feedback_id`` is the client's
+    idempotency key. Whether the metric exists and the value fits it is checked by the gateway
+    against the declared metrics (a 400 naming the field)."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
     feedback_id: Ident = Field(max_length=128)
     session_id: Ident | None = Field(None, max_length=256)
     generation_id: Ident | None = Field(None, max_length=128)
-    kind: Literal["explicit", "implicit", "outcome", "custom"]
-    signal: Ident = Field(max_length=64)
-    value: float | None = Field(None, allow_inf_nan=False)
+    metric: Ident | None = Field(None, max_length=64)
+    kind: Literal["explicit", "implicit", "outcome", "custom"] | None = None
+    signal: Ident | None = Field(None, max_length=64)
+    #: A number; ``true``/``false`` only for a boolean metric.
+    value: float | bool | None = Field(None, allow_inf_nan=False)
     comment: str | None = Field(None, max_length=10_000)
     data: dict[str, Any] | None = None
 

@@ -64,6 +64,20 @@ Every ``rollout.interval_s`` :func:`step` reads the registry and does at most on
    audited with who cleared it). Versions published later are not implicated: a delta chained on a
    repaired object loads, and one chained on a still-damaged object fails and is rolled back in turn.
 
+5. **Promotions keep the release calendar** (serving/rollout_calendar.py; ``rollout.timezone``,
+   ``windows``, ``freezes``, ``max_promotions_per_day``, ``min_soak_s``). A promotion that would
+   replace a stable version (a canary that won, or a direct promote when ``canary_fraction`` is 0)
+   is applied only while the calendar allows it; otherwise the decision is ``wait``, its reason says
+   why and when the next opportunity is (``ready canary v7 waits: outside the release windows
+   (mon-fri 09:00-17:00 Europe/Berlin); next window opens 2026-11-30 09:00 CET``) and its figures
+   carry the calendar's (``{"calendar": {...}}``). The soak runs from the canary's start, or from a
+   direct candidate's publication. The daily limit counts the controller's own promotions
+   (:func:`automatic_promotions`): operators' promotions and pins are deliberate acts outside the
+   calendar, and a rollback's restore is no promotion. Canary starts are not held (a canary only
+   gathers evidence, and a window that opens on a canary already judged saves its whole
+   ``window_s``), rollbacks never are (undoing harm does not wait for a window), and neither is a
+   promotion when nothing is stable yet (the calendar protects a serving version; there is none).
+
 Every decision is logged with its figures, every status change carries them (short) as the
 registry's audited reason and is announced as a :class:`~flywheel.events.VersionEvent` on the
 ``versions`` topic. The operator's actions (``flywheel rollout promote|rollback|pin|unpin|clear``, the
@@ -97,8 +111,8 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
-from datetime import UTC, datetime
+from dataclasses import asdict, dataclass, field, replace
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from flywheel.events import VersionEvent
@@ -106,6 +120,7 @@ from flywheel.health import Beat
 from flywheel.settings import RolloutSettings, Settings
 from flywheel.weights.registry import PinInfo, StatusChanged
 from serving.rollout_actions import RolloutError, node_waker, pin_figures, version_event
+from serving.rollout_calendar import Calendar, check
 from serving.rollout_policy import (
     IMPLICABLE,
     LATENCY_SAMPLE_CAP,
@@ -293,7 +308,11 @@ def evaluate(registry: Any, sessions: Any, policy: RolloutSettings, now: datetim
                 return Decision("canary", chosen, f"canary {policy.canary_fraction:.0%} vs v{stable}; {gates}", figures,
                                 "candidate")
             why = "nothing stable yet" if stable is None else "canary_fraction 0"
-            return Decision("promote", chosen, f"direct ({why}); {gates}", figures, "candidate")
+            direct = Decision("promote", chosen, f"direct ({why}); {gates}", figures, "candidate")
+            if stable is None:  # nothing serves yet: the calendar protects a stable version, and there is none
+                return direct
+            published = next(v.created_at for v in versions if v.version == chosen)
+            return on_calendar(direct, "candidate", _utc(published), registry.model_line, db, policy, now)
         if stable is None:
             return Decision("promote", canary.version, "canary with no stable version to compare with", {}, "canary")
         since = canary_started(registry.transitions(canary.version)) or canary.created_at
@@ -311,8 +330,49 @@ def evaluate(registry: Any, sessions: Any, policy: RolloutSettings, now: datetim
     if failed:  # the held-out gate, now that the canary served traffic (or a stricter policy)
         return Decision("rollback", canary.version, "gate failed: " + "; ".join(r.reason for r in failed),
                         verdict.figures, "canary")
-    return Decision(verdict.action, canary.version, f"canary v{canary.version} vs v{stable}: {verdict.reason}",
-                    verdict.figures, "canary")
+    decision = Decision(verdict.action, canary.version, f"canary v{canary.version} vs v{stable}: {verdict.reason}",
+                        verdict.figures, "canary")
+    if decision.action != "promote":
+        return decision
+    with sessions() as db:
+        return on_calendar(decision, "canary", since, registry.model_line, db, policy, now)
+
+
+#: Audit reasons of the controller's own status changes start so (:func:`step`); one that starts
+#: ``rollout: restored`` is a rollback's restore (:func:`roll_back_stable`), not a promotion.
+AUTOMATIC = "rollout: "
+RESTORE = "rollout: restored"
+
+
+def automatic_promotions(db: Any, model_line: str, since: datetime) -> list[datetime]:
+    """When the controller promoted a version of the line to stable since ``since``: the
+    ``version_transitions`` from ``candidate`` or ``canary`` to ``stable`` with the controller's
+    reason (:data:`AUTOMATIC`). Operators' promotions and pins, and the restores of rollbacks, are
+    not counted (``rollout.max_promotions_per_day`` paces the controller; README, "Rollout")."""
+    from sqlalchemy import select
+
+    from flywheel.db.models import VersionTransition as T
+
+    query = select(T.at).where(T.model_line == model_line, T.to_status == "stable", T.at >= since,
+                               T.from_status.in_(("candidate", "canary")), T.reason.startswith(AUTOMATIC),
+                               ~T.reason.startswith(RESTORE))
+    return [_utc(at) for at in db.scalars(query)]
+
+
+def on_calendar(decision: Decision, kind: str, soak_start: datetime, model_line: str, db: Any,
+                policy: RolloutSettings, now: datetime) -> Decision:
+    """``decision`` (a promotion of a ready ``kind``, ``canary`` or ``candidate``) if the release
+    calendar (serving/rollout_calendar.py) allows it at ``now``; otherwise a ``wait`` that says why
+    and when the next opportunity is, with the calendar's figures."""
+    calendar = Calendar.of(policy)
+    if not calendar.rules:
+        return decision
+    verdict = check(calendar, now, automatic_promotions(db, model_line, now - timedelta(days=2)), soak_start)
+    figures = {**decision.figures, "calendar": verdict.figures}
+    if verdict.ok:
+        return replace(decision, figures=figures)
+    return Decision("wait", decision.version, f"ready {kind} v{decision.version} waits: {verdict.reason}", figures,
+                    decision.was)
 
 
 _STATUS_OF = {"canary": "canary", "promote": "stable", "rollback": "rolled_back"}
@@ -450,15 +510,32 @@ def run(settings: Settings, stop: threading.Event | None = None) -> None:
         db.dispose()
 
 
+def calendar_report(registry: Any, sessions: Any, policy: RolloutSettings, decision: Decision,
+                    now: datetime) -> dict[str, Any]:
+    """The release calendar at ``now`` (:func:`~serving.rollout_calendar.check`'s figures: open
+    now, the next window, freezes, today's automatic promotions), and ``holding``: the version a
+    ready promotion waits for and why, when the calendar holds ``decision``."""
+    held = decision.action == "wait" and "calendar" in decision.figures
+    if "calendar" in decision.figures:
+        figures = decision.figures["calendar"]
+    else:
+        with sessions() as db:
+            promotions = automatic_promotions(db, registry.model_line, now - timedelta(days=2))
+        figures = check(Calendar.of(policy), now, promotions).figures
+    return {**figures, "holding": {"version": decision.version, "reason": decision.reason} if held else None}
+
+
 def status_report(registry: Any, sessions: Any, policy: RolloutSettings, limit: int = 20) -> dict[str, Any]:
     versions = registry.versions()
     keep = {v.version for v in versions[-limit:]} | {v.version for v in versions if v.status in ("stable", "canary")}
     pin = registry.pinned()
-    decision = evaluate(registry, sessions, policy)
+    now = datetime.now(UTC)
+    decision = evaluate(registry, sessions, policy, now)
     return {
         "model_line": registry.model_line,
         "pin": pin_figures(pin) if pin is not None else None,
         "versions": [{"version": v.version, "status": v.status, "kind": v.kind, "created_at": v.created_at.isoformat()}
                      for v in versions if v.version in keep],
         "next_decision": asdict(decision),
+        "calendar": calendar_report(registry, sessions, policy, decision, now),
     }

@@ -18,6 +18,7 @@ from serving.rollout_actions import (
     manual_rollback,
     manual_unpin,
 )
+from serving.rollout_calendar import summary
 
 
 def operator() -> str:
@@ -77,6 +78,8 @@ def main(args: argparse.Namespace, settings: Settings) -> int:
             d = report["next_decision"]
             target = f" v{d['version']}" if d["version"] is not None else ""
             print(f"next decision: {d['action']}{target}: {d['reason']}")
+            for line in summary(report["calendar"]):
+                print(f"calendar: {line}")
             return 0
         by = operator()
         if args.action == "unpin":

@@ -1,5 +1,8 @@
 """The gateway's public HTTP routes: the OpenAI API (``/v1/chat/completions``, ``/v1/completions``,
-``/v1/feedback``, ``/v1/models``), ``/health`` and ``/metrics``.
+``/v1/feedback``, ``/v1/models``), ``/health`` and ``/metrics``. The same API answers under
+``/sessions/{id}/v1/...`` with the session taken from the path: the app's middleware turns such a
+request into this one with the session header set (``serving/gateway/app.py``), so routes here
+read the session one way only.
 
 Each route only translates HTTP: it names the caller (:class:`~serving.gateway.auth.Access`:
 authenticated, within its rate limit) and hands the request to the serving class that does the

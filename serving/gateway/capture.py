@@ -32,7 +32,6 @@ import orjson
 
 from flywheel import sampling
 from flywheel.events import (
-    FEEDBACK_SIGNALS,
     FeedbackEvent,
     GenerationEvent,
     SamplingParams,
@@ -424,14 +423,6 @@ def _tool_call(merged_calls: dict[int, dict[str, Any]], call: Any) -> None:
         merged["function"]["name"] = function["name"]
     if function.get("arguments") is not None:
         merged["function"]["arguments"] = merged["function"].get("arguments", "") + function["arguments"]
-
-
-def feedback_problem(item: FeedbackItem) -> str | None:
-    """Why a feedback item's signal does not fit its kind, or None."""
-    allowed = FEEDBACK_SIGNALS[item.kind]
-    if allowed and item.signal not in allowed:
-        return f"signal {item.signal!r} is not one of the {item.kind} signals; allowed: {', '.join(allowed)}"
-    return None
 
 
 #: What a client chooses for a feedback id (not the ids the gateway derives, not the time).

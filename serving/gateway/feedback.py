@@ -1,5 +1,5 @@
-"""Serving ``POST /v1/feedback``: one item or a batch, each checked against the caller's tenant,
-each feedback id held to one signal, then handed to the capture like a generation event.
+"""Serving ``POST /v1/feedback``: one item or a batch, each checked against its metric and the
+caller's tenant, each feedback id held to one signal, then handed to the capture like a generation event.
 
 ``FeedbackServing(settings, state, ownership, submit, count)`` is built once at start-up
 (``serving/gateway/services.py``) with its clients (the live state, the ownership checks, the
@@ -9,8 +9,13 @@ rate-limits, then calls it with the caller's tenant. Feedback is acknowledged (2
 capture spool accepted its events.
 
 Invariants:
+- Each item reports one metric (``flywheel.metrics``): a built-in, or one declared in
+  ``[metrics.declared]``. An unknown name, a wrong type or a value out of bounds is a 400 whose
+  ``param`` names the field (``feedback.2.value`` in a batch), and nothing of the request is
+  accepted. The event's signal is the metric's name, its kind the metric's (``custom`` if declared).
 - Feedback targets only what the tenant owns (``Ownership``): a generation (its session is the
-  event's) or a session named by ``session_id`` or the session header.
+  event's) or a session named by ``session_id`` or the session header (which a session URL,
+  ``/sessions/{id}/v1/feedback``, sets: ``serving/gateway/app.py``).
 - A batch holds each feedback id once: a repeat is a 400 naming it, even with identical items.
 - A feedback id names one signal per tenant (``GatewayState.claim_feedback``, kept
   ``gateway.ownership_ttl_s``): an identical replay gets the first answer again (the same event
@@ -32,6 +37,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
 from flywheel.events import FeedbackEvent
+from flywheel.metrics import MetricProblem, Metrics
 from flywheel.settings import Settings
 from serving.errors import APIError, from_pydantic
 from serving.gateway import capture
@@ -46,6 +52,7 @@ class FeedbackServing:
     def __init__(self, settings: Settings, state: GatewayState, ownership: Ownership,
                  submit: Callable[[list[Any], dict[str, str]], Awaitable[bool]], count: Callable[[int], None]) -> None:
         self.gateway_settings = settings.gateway
+        self.metrics = Metrics(settings.metrics.declared, undeclared_custom=settings.metrics.undeclared_custom)
         self.state = state
         self.ownership = ownership
         self.submit = submit
@@ -72,9 +79,13 @@ class FeedbackServing:
                                f"({item.feedback_id!r}): a batch holds each feedback id once",
                                param=f"{prefix}feedback_id", code="duplicate_feedback_id")
             first[item.feedback_id] = i
-            problem = capture.feedback_problem(item)
-            if problem:
-                raise APIError(400, problem, param=f"{prefix}signal", code="invalid_value")
+            try:
+                checked = self.metrics.check(metric=item.metric, kind=item.kind, signal=item.signal, value=item.value,
+                                             comment=item.comment, generation_id=item.generation_id)
+            except MetricProblem as exc:
+                raise APIError(400, f"feedback.{i}: {exc.message}" if batch else exc.message,
+                               param=f"{prefix}{exc.field}", code=exc.code) from None
+            item = item.model_copy(update={"kind": checked.kind, "signal": checked.signal, "value": checked.value})
             session_id = item.session_id or header_session
             if item.generation_id is not None:
                 session_id = await self.ownership.check_generation(

@@ -151,6 +151,9 @@ def stack(module_db: str, redis_url: str, tmp_path_factory: pytest.TempPathFacto
                      "header_read_timeout_s": HEADER_TIMEOUT_S, "body_read_timeout_s": BODY_TIMEOUT_S},
             node={"body_read_timeout_s": BODY_TIMEOUT_S},
             ingest={"inactivity_timeout_s": 1.0},
+            # Hostile custom signal names must still reach the database as literal values (below):
+            # undeclared custom signals are accepted unchecked, as before declared metrics.
+            metrics={"undeclared_custom": "accept"},
         )
         config = root / "settings.json"
         config.write_text(json.dumps(settings.model_dump(mode="json")))

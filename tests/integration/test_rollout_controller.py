@@ -11,8 +11,9 @@ from __future__ import annotations
 import json
 import random
 import uuid
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime, time, timedelta
 from pathlib import Path
+from zoneinfo import ZoneInfo
 
 import pytest
 
@@ -677,3 +678,145 @@ def test_the_admin_clear_route_needs_the_admin_key_and_re_verifies(registry, ses
     reason = registry.transitions(v1)[-1]["reason"]
     assert reason.startswith(f"cleared by admin API key {admin_id.key_id}: re-verified end to end")
     assert reason.endswith(": ticket 9")
+
+
+# --- the release calendar ---------------------------------------------------------------------------
+
+
+def calendar(**rules) -> RolloutSettings:
+    """POLICY with release-calendar rules (validated, as settings would be)."""
+    return RolloutSettings(**{**POLICY.model_dump(), **rules})
+
+
+def next_local(zone: str, weekday: int, hour: int, after: datetime) -> datetime:
+    """The first ``weekday`` (0 = Monday) at ``hour``:00 in ``zone`` on a later local day than ``after``."""
+    tz = ZoneInfo(zone)
+    day = after.astimezone(tz).date() + timedelta(days=1)
+    while day.weekday() != weekday:
+        day += timedelta(days=1)
+    return datetime.combine(day, time(hour), tz)
+
+
+def test_a_ready_canary_waits_outside_the_release_window_and_is_promoted_inside(registry, sessions):
+    policy = calendar(timezone="Europe/Berlin", windows=["mon-fri 09:00-17:00"])
+    saturday = next_local("Europe/Berlin", 5, 12, datetime.now(UTC))
+    monday = next_local("Europe/Berlin", 0, 9, saturday)
+    v1 = publish(registry)
+    d = step(registry, sessions, policy, now=saturday)
+    assert (d.action, d.version) == ("canary", v1)  # starting a canary is no promotion: not held
+    serve(sessions, 0, 300)
+    serve(sessions, v1, 300)  # enough, and equal: the verdict is promote
+    d = step(registry, sessions, policy, now=saturday)
+    assert (d.action, d.version, d.changed, d.was) == ("wait", v1, False, "canary")
+    assert d.reason == (f"ready canary v{v1} waits: outside the release windows (mon-fri 09:00-17:00 Europe/Berlin); "
+                        f"next window opens {monday:%Y-%m-%d} 09:00 {monday:%Z}")
+    assert d.figures["calendar"]["next_window"] == monday.isoformat() and d.figures["calendar"]["held_by"] == ["window"]
+    assert d.figures["canary"]["generations"] == 300  # the verdict's figures are kept
+    assert statuses(registry) == {0: "stable", v1: "canary"}
+    d = step(registry, sessions, policy, now=monday + timedelta(minutes=30))
+    assert (d.action, d.version) == ("promote", v1) and d.figures["calendar"]["open_now"]
+    assert statuses(registry) == {0: "retired", v1: "stable"}
+
+
+def test_a_freeze_holds_a_promotion_but_never_a_rollback(registry, sessions):
+    now = datetime.now(UTC)
+    freeze = {"start": (now - timedelta(hours=1)).isoformat(), "end": (now + timedelta(days=7)).isoformat(),
+              "reason": "year-end freeze"}
+    policy = calendar(freezes=[freeze])
+    v1 = publish(registry)
+    assert step(registry, sessions, policy).action == "canary"  # canary starts go on during a freeze
+    serve(sessions, 0, 300, thumbs_down=15)
+    serve(sessions, v1, 300, thumbs_down=15)
+    d = step(registry, sessions, policy, now=now + timedelta(hours=1))
+    assert d.action == "wait" and d.reason.startswith(f"ready canary v{v1} waits: release freeze: year-end freeze")
+    assert d.figures["calendar"]["freeze"]["reason"] == "year-end freeze"
+    serve(sessions, v1, 300, thumbs_down=200)  # the canary turns bad: rolled back, freeze or not
+    d = step(registry, sessions, policy, now=now + timedelta(hours=1))
+    assert (d.action, d.version) == ("rollback", v1), d.reason
+    assert statuses(registry) == {0: "stable", v1: "rolled_back"}
+    # A direct promotion (canary_fraction 0) waits for the freeze's end too.
+    direct = calendar(canary_fraction=0.0, freezes=[freeze])
+    v2 = publish(registry)
+    d = step(registry, sessions, direct, now=now + timedelta(hours=1))
+    assert (d.action, d.version) == ("wait", v2) and d.reason.startswith(f"ready candidate v{v2} waits: release freeze")
+    assert d.figures["calendar"]["next_opportunity"] == datetime.fromisoformat(freeze["end"]).isoformat()
+    assert step(registry, sessions, direct, now=now + timedelta(days=7)).action == "promote"
+    assert statuses(registry)[v2] == "stable"
+
+
+def test_the_daily_limit_holds_the_next_promotion_until_the_next_local_day(registry, sessions):
+    now = datetime.now(UTC)
+    zone = f"Etc/GMT{now.hour - 12:+d}"  # POSIX signs: local noon-ish now, midnight hours away either side
+    policy = calendar(canary_fraction=0.0, timezone=zone, max_promotions_per_day=1)
+    v1 = publish(registry)
+    manual_promote(registry, v1, "hotfix")  # an operator's promotion: not the controller's to count
+    v2 = publish(registry)
+    d = step(registry, sessions, policy, now=now)
+    assert (d.action, d.version) == ("promote", v2) and d.figures["calendar"]["promotions_today"] == 0
+    v3 = publish(registry)
+    d = step(registry, sessions, policy, now=now + timedelta(minutes=1))
+    midnight = datetime.combine(now.astimezone(ZoneInfo(zone)).date() + timedelta(days=1), time(), ZoneInfo(zone))
+    assert (d.action, d.version) == ("wait", v3)
+    assert f"daily limit reached: 1 automatic promotion on {now.astimezone(ZoneInfo(zone)).date()} ({zone})" in d.reason
+    assert d.figures["calendar"]["next_opportunity"] == midnight.isoformat()
+    assert step(registry, sessions, policy, now=midnight - timedelta(seconds=1)).action == "wait"
+    d = step(registry, sessions, policy, now=midnight)
+    assert (d.action, d.version) == ("promote", v3) and statuses(registry)[v3] == "stable"
+
+
+def test_min_soak_holds_a_fresh_canary_and_a_fresh_direct_candidate(registry, sessions):
+    policy = calendar(min_soak_s=3600)
+    v1 = publish(registry)
+    assert step(registry, sessions, policy).action == "canary"
+    started = registry.transitions(v1)[-1]["at"]
+    serve(sessions, 0, 300)
+    serve(sessions, v1, 300)
+    d = step(registry, sessions, policy, now=started + timedelta(minutes=10))
+    assert d.action == "wait" and d.reason.startswith(f"ready canary v{v1} waits: soaking 600s of min_soak_s 3600")
+    assert d.figures["calendar"]["soak_until"] == (started + timedelta(hours=1)).isoformat()
+    assert step(registry, sessions, policy, now=started + timedelta(hours=1)).action == "promote"
+    v2 = publish(registry)
+    published = registry.get(v2).created_at
+    direct = calendar(canary_fraction=0.0, min_soak_s=3600)
+    d = step(registry, sessions, direct, now=published + timedelta(minutes=59))
+    assert (d.action, d.version) == ("wait", v2) and "soaking" in d.reason
+    assert step(registry, sessions, direct, now=published + timedelta(minutes=60)).action == "promote"
+
+
+def test_status_the_cli_and_the_admin_api_show_the_calendar_and_why_a_ready_canary_waits(
+        registry, sessions, migrated_db_url, tmp_path, capsys):
+    from fastapi.testclient import TestClient
+
+    from flywheel.keys import create_key
+    from serving.gateway.app import create_app
+    from serving.rollout import status_report
+
+    later = (datetime.now(UTC) + timedelta(days=3)).strftime("%a").lower()  # not today or tomorrow
+    policy = calendar(windows=[f"{later} 00:00-24:00"], max_promotions_per_day=3)
+    v1 = publish(registry)
+    assert step(registry, sessions, policy).action == "canary"
+    serve(sessions, 0, 300)
+    serve(sessions, v1, 300)
+    report = status_report(registry, sessions, policy)
+    shown = report["calendar"]
+    assert not shown["open_now"] and shown["windows"] == [f"{later} 00:00-24:00"] and shown["timezone"] == "UTC"
+    assert shown["promotions_today"] == 0 and shown["max_promotions_per_day"] == 3
+    assert shown["holding"]["version"] == v1 and "outside the release windows" in shown["holding"]["reason"]
+    assert report["next_decision"]["action"] == "wait"
+
+    settings = load_settings(data_dir=str(tmp_path / "data"), db={"url": migrated_db_url}, model={"line": LINE},
+                             store={"path": str(tmp_path / "store")},
+                             bus={"kind": "local", "topic_prefix": f"t{uuid.uuid4().hex[:8]}."},
+                             gateway={"auth": "on", "upstream": "http://127.0.0.1:9"}, rollout=policy.model_dump())
+    assert dispatch(build_parser().parse_args(["rollout", "status"]), settings) == 0
+    out = capsys.readouterr().out
+    assert f"next decision: wait v{v1}: ready canary v{v1} waits: outside the release windows" in out
+    assert f"calendar: release windows: {later} 00:00-24:00 (UTC): closed; next window opens" in out
+    assert "calendar: automatic promotions today: 0 of max_promotions_per_day 3" in out
+
+    _, admin = create_key(sessions, "ops", role="admin", name="admin")
+    with TestClient(create_app(settings)) as client:
+        r = client.get("/admin/versions", headers={"Authorization": f"Bearer {admin}"})
+    assert r.status_code == 200, r.text
+    assert r.json()["calendar"]["holding"]["version"] == v1
+    assert r.json()["calendar"]["next_window"] == shown["next_window"]

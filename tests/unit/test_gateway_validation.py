@@ -28,6 +28,15 @@ from tests.fixtures.roles import RefusingProducer, wait_until
 pytestmark = pytest.mark.unit
 
 
+#: The custom metrics these tests send feedback about (an undeclared custom signal is a 400).
+METRICS = {
+    "latency_complaint": {"type": "boolean", "level": "session", "direction": "min"},
+    "x": {"type": "boolean", "level": "session", "direction": "max"},
+    "helpfulness": {"type": "float", "level": "generation", "direction": "max", "min": 0, "max": 5},
+    "notes": {"type": "comment", "level": "session"},
+}
+
+
 @pytest.fixture(scope="module")
 def upstream():
     port = free_port()
@@ -42,6 +51,7 @@ def settings(tmp_path, upstream):
         data_dir=str(tmp_path),
         bus={"kind": "local", "partitions": 2, "topic_prefix": "t."},
         gateway={"max_body_bytes": 2048, "upstream": upstream.url},
+        metrics={"declared": METRICS},
     )
 
 
@@ -394,7 +404,7 @@ class _Captured:
 def hyp_client(tmp_path_factory, upstream):
     settings = load_settings(data_dir=str(tmp_path_factory.mktemp("hyp")),
                              bus={"kind": "local", "partitions": 1, "topic_prefix": "h."},
-                             gateway={"upstream": upstream.url})
+                             gateway={"upstream": upstream.url}, metrics={"declared": METRICS})
     bus = make_bus(settings)
     bus.ensure_topics([settings.topic("generations"), settings.topic("feedback")])
     with TestClient(create_app(settings)) as client:
@@ -457,3 +467,97 @@ def test_any_json_in_a_free_form_field_is_refused_or_readable_by_every_consumer(
             event = kind.from_bytes(v)  # every consumer decodes through this
             dumped = json_dumps(event.model_dump(mode="json"))
             assert db_loads(dumped) == json.loads(event.model_dump_json())
+
+
+# --- issue 19: declared metrics, session URLs -----------------------------------------------------
+
+
+def test_feedback_names_a_declared_metric_or_gets_a_400_naming_the_field(client, bus, settings):
+    """Each item of a batch is checked against its metric: an unknown name, a wrong type, a value out
+    of bounds or a missing generation is a 400 naming the field (``feedback.4.value``), and nothing of
+    the batch is accepted; the accepted events carry the metric's name as their signal."""
+    generation = _chat(client, "s-m")
+    session = {"X-Flywheel-Session": "s-m"}
+    good = [
+        {"feedback_id": "m-1", "generation_id": generation, "metric": "helpfulness", "value": 4.5},
+        {"feedback_id": "m-2", "metric": "latency_complaint", "value": True},
+        {"feedback_id": "m-3", "metric": "notes", "comment": "slow today"},
+        {"feedback_id": "m-4", "generation_id": generation, "metric": "thumbs", "value": 1},
+    ]
+    for bad, param, code in [
+        ({"metric": "helpfulnes", "value": 1, "generation_id": generation}, "metric", "unknown_metric"),
+        ({"kind": "custom", "signal": "vibes"}, "signal", "unknown_metric"),
+        ({"metric": "helpfulness", "value": 7, "generation_id": generation}, "value", "invalid_value"),
+        ({"metric": "helpfulness", "value": "4", "generation_id": generation}, "value", "invalid_value"),
+        ({"metric": "helpfulness", "value": 3}, "generation_id", "missing_required_parameter"),
+        ({"metric": "latency_complaint", "value": 0.5}, "value", "invalid_value"),
+        ({"metric": "notes"}, "comment", "missing_required_parameter"),
+        ({"metric": "notes", "comment": "x", "value": 1}, "value", "invalid_value"),
+        ({"metric": "thumbs", "value": True}, "value", "invalid_value"),
+        ({"metric": "thumbs", "kind": "custom", "value": 1}, "kind", "invalid_value"),
+        ({"metric": "thumbs", "kind": "implicit", "value": 1}, "kind", "invalid_value"),
+        ({"metric": "notes", "signal": "x", "comment": "x"}, "signal", "invalid_value"),
+        ({"value": 1}, "metric", "missing_required_parameter"),
+    ]:
+        batch = [*good, {"feedback_id": "m-bad", **bad}]
+        err = _envelope(client.post("/v1/feedback", json={"feedback": batch}, headers=session), 400)
+        assert (err["param"], err["code"]) == (f"feedback.4.{param}", code), (bad, err)
+        assert err["message"].startswith("feedback.4") and err["type"] == "invalid_request_error"
+    err = _envelope(client.post("/v1/feedback", json={"feedback_id": "m-5", "metric": "helpfulness", "value": -1,
+                                                      "generation_id": generation}), 400)
+    assert err["param"] == "value" and "[0, 5]" in err["message"] and "-1" in err["message"]
+
+    first = client.post("/v1/feedback", json={"feedback": good}, headers=session)
+    assert first.status_code == 202, first.text
+    # The same feedback named the old way (kind + signal), or a boolean as 1: the same content, no conflict.
+    again = [{**good[0], "kind": "custom", "signal": "helpfulness"}, {**good[1], "value": 1}, good[2],
+             {**{k: v for k, v in good[3].items() if k != "metric"}, "kind": "explicit", "signal": "thumbs"}]
+    replay = client.post("/v1/feedback", json={"feedback": again}, headers=session)
+    assert replay.status_code == 202 and replay.json() == first.json(), replay.text
+    events = {e.feedback_id: e for e in (FeedbackEvent.from_bytes(v) for v in
+                                         _drain(client, bus, settings, "g-metrics")[settings.topic("feedback")])}
+    assert {f: (e.kind, e.signal, e.value, e.session_id) for f, e in events.items()} == {
+        "m-1": ("custom", "helpfulness", 4.5, "s-m"), "m-2": ("custom", "latency_complaint", 1.0, "s-m"),
+        "m-3": ("custom", "notes", None, "s-m"), "m-4": ("explicit", "thumbs", 1.0, "s-m")}
+    assert events["m-3"].comment == "slow today"
+
+
+def test_session_urls_are_the_api_with_the_session_taken_from_the_path(client, bus, settings, upstream):
+    from flywheel.events import GenerationEvent
+
+    r = client.post("/sessions/s-url/v1/chat/completions", json={"messages": GOOD_MESSAGES})
+    assert r.status_code == 200 and r.headers["X-Flywheel-Session"] == "s-url", r.text
+    generation = r.headers["X-Flywheel-Generation"]
+    r = client.post("/sessions/s-url/v1/completions", json={"prompt": "sort 3 1 2"},
+                    headers={"X-Flywheel-Session": "s-url"})  # a header that agrees is fine
+    assert r.status_code == 200 and r.headers["X-Flywheel-Session"] == "s-url", r.text
+    slash = client.post("/sessions/a%2Fb/v1/chat/completions", json={"messages": GOOD_MESSAGES})
+    assert slash.status_code == 200 and slash.headers["X-Flywheel-Session"] == "a/b"
+    models = client.get("/sessions/s-url/v1/models")
+    assert models.status_code == 200 and models.json()["data"][0]["id"] == settings.model.line
+    fb = client.post("/sessions/s-url/v1/feedback", json={"feedback_id": "u-1", "metric": "latency_complaint"})
+    assert fb.status_code == 202 and fb.headers["X-Flywheel-Session"] == "s-url", fb.text
+    served = upstream.served
+
+    err = _envelope(client.post("/sessions/s-url/v1/chat/completions", json={"messages": GOOD_MESSAGES},
+                                headers={"X-Flywheel-Session": "s-other"}), 400)
+    assert (err["param"], err["code"]) == ("session_id", "session_mismatch") and "s-other" in err["message"]
+    for path in ("/sessions/a%01b/v1/models", "/sessions/a%0D%0AX-Evil:%201/v1/models",
+                 f"/sessions/{'x' * 257}/v1/models", "/sessions//v1/models"):
+        r = client.get(path)
+        assert _envelope(r, 400)["param"] == "session_id", path
+        assert "X-Flywheel-Session" not in r.headers and "X-Evil" not in r.headers
+    for path in ("/sessions/s-url/health", "/sessions/s-url/admin/capture", "/sessions/s-url", "/sessions/s-url/v2/x"):
+        assert _envelope(client.get(path), 404)["type"] == "not_found_error", path
+    # A session URL is the header: another tenant's session or a generation of another session is refused alike.
+    err = _envelope(client.post("/sessions/s-never/v1/feedback", json={"feedback_id": "u-2", "metric": "x"}), 404)
+    assert err["code"] == "session_not_found"
+    err = _envelope(client.post("/sessions/s-elsewhere/v1/feedback", json={
+        "feedback_id": "u-3", "metric": "thumbs", "value": 1, "generation_id": generation}), 400)
+    assert err["code"] == "session_mismatch"
+    assert upstream.served == served  # nothing refused reached the upstream
+
+    seen = _drain(client, bus, settings, "g-urls")
+    sessions = [GenerationEvent.from_bytes(v).session_id for v in seen[settings.topic("generations")]]
+    assert sorted(sessions) == ["a/b", "s-url", "s-url"]
+    assert [FeedbackEvent.from_bytes(v).session_id for v in seen[settings.topic("feedback")]] == ["s-url"]
