@@ -9,6 +9,7 @@ is evaluated here exactly as ``flywheel rollout status`` does, and the page says
 from __future__ import annotations
 
 import math
+import threading
 import time
 from datetime import UTC, datetime
 from typing import Any
@@ -51,11 +52,11 @@ def decision(settings: Settings, sessions: Any, registry_factory: Any) -> dict[s
     session of the caller's open: on SQLite every transaction holds the write lock)."""
     with sessions() as db:
         recorded = last_decision(db, settings.model.line)
-        newest = queries.recent_versions(db, settings.model.line, 1)
+        newest = queries.newest_version(db, settings.model.line)
     now = datetime.now(UTC)
     fresh_s = 3 * settings.rollout.interval_s + 30
     if (recorded is not None and (now - recorded["at"]).total_seconds() <= fresh_s
-            and not (newest and newest[0].created_at > recorded["at"])):
+            and not (newest and newest[1] > recorded["at"])):
         due = max(0.0, settings.rollout.interval_s - (now - recorded["at"]).total_seconds())
         return {**recorded, "source": f"the rollout role's last tick; next tick in about {fmt_num(due)} s"}
     import serving.rollout
@@ -63,8 +64,8 @@ def decision(settings: Settings, sessions: Any, registry_factory: Any) -> dict[s
     evaluated = serving.rollout.evaluate(registry_factory(), sessions, settings.rollout, now)
     if recorded is None:
         why = "no decision of the rollout role recorded"
-    elif newest and newest[0].created_at > recorded["at"]:
-        why = f"v{newest[0].version} was published after the rollout role's last tick"
+    elif newest and newest[1] > recorded["at"]:
+        why = f"v{newest[0]} was published after the rollout role's last tick"
     else:
         why = f"the rollout role's last tick was at {recorded['at']:%Y-%m-%d %H:%M:%S} UTC"
     return {"action": evaluated.action, "version": evaluated.version, "reason": evaluated.reason,
@@ -97,7 +98,7 @@ def versions(settings: Settings, sessions: Any, before: int | None) -> dict[str,
         rows = queries.recent_versions(db, line, queries.PAGE, before)
         spec = queries.latest_spec(db)
         numbers = [r.version for r in rows]
-        top = newest if newest is not None else 0
+        top = newest[0] if newest is not None else 0
         charted = queries.rewards(db, line, spec, max(0, top - CHART_VERSIONS + 1), top)
         shown = queries.rewards(db, line, spec, min(numbers), max(numbers)) if numbers else {}
         counts = queries.served_counts(db, line, min(numbers), max(numbers)) if numbers else {}
@@ -109,7 +110,7 @@ def versions(settings: Settings, sessions: Any, before: int | None) -> dict[str,
         y_label="mean reward")
     older = rows[-1].version if rows and rows[-1].version > 0 else None
     return {"line": line, "rows": rows, "rewards": shown, "counts": counts, "audit": audit, "spec": spec,
-            "chart": chart, "newest": newest, "older": older, "before": before}
+            "chart": chart, "newest": top, "older": older, "before": before}
 
 
 def version(settings: Settings, sessions: Any, number: int) -> dict[str, Any] | None:
@@ -192,17 +193,23 @@ def fmt_num(value: Any, digits: int = 3) -> str:
 
 
 class LagReader:
-    """Bus lag per stage, read at most every :data:`LAG_TTL_S` (a broker round trip per read)."""
+    """Bus lag per stage, read at most every :data:`LAG_TTL_S` (a broker round trip per read), one
+    reader at a time over one bus client; the app's lifespan closes it."""
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self._bus: Any = None
         self._at = 0.0
         self._value: dict[str, Any] = {}
+        self._lock = threading.Lock()
 
     def read(self) -> dict[str, Any]:
-        if time.monotonic() - self._at < LAG_TTL_S:
+        with self._lock:
+            if time.monotonic() - self._at >= LAG_TTL_S:
+                self._read()
             return self._value
+
+    def _read(self) -> None:
         from flywheel.bus import make_bus
         from flywheel.bus.base import BusError, stage_lags
 
@@ -212,11 +219,14 @@ class LagReader:
             self._value = {"stages": stage_lags(self._bus, self.settings), "error": None}
         except (BusError, OSError) as exc:
             self._value = {"stages": {}, "error": f"{type(exc).__name__}: {exc}"[:300]}
-            self.close()
+            self._drop()
         self._at = time.monotonic()
-        return self._value
 
     def close(self) -> None:
+        with self._lock:
+            self._drop()
+
+    def _drop(self) -> None:
         if self._bus is not None:
             try:
                 self._bus.close()

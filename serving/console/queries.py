@@ -89,10 +89,12 @@ def one_version(db: Session, line: str, version: int) -> VersionRow | None:
     return None if r is None else _version_row(r, _slim(r.metrics))
 
 
-def newest_version(db: Session, line: str) -> int | None:
-    """The line's highest version number (a backward scan of the primary key, one row)."""
-    return db.scalar(select(ModelVersion.version).where(ModelVersion.model_line == line)
-                     .order_by(ModelVersion.version.desc()).limit(1))
+def newest_version(db: Session, line: str) -> tuple[int, datetime] | None:
+    """The line's highest version number and when it was published (a backward scan of the
+    primary key, one row)."""
+    row = db.execute(select(ModelVersion.version, ModelVersion.created_at).where(ModelVersion.model_line == line)
+                     .order_by(ModelVersion.version.desc()).limit(1)).first()
+    return None if row is None else (row.version, row.created_at)
 
 
 def _slim(metrics: dict[str, Any] | None) -> dict[str, Any]:
@@ -144,12 +146,6 @@ def rewards(db: Session, line: str, spec: str | None, lo: int | None = None, hi:
 def served_counts(db: Session, line: str, lo: int, hi: int) -> dict[int, dict[str, int]]:
     """Per version in ``[lo, hi]``: generations served and feedback events on them
     (``ix_generations_version``, then ``ix_feedback_generation``)."""
-    gens = db.execute(select(Generation.model_version, func.count())
-                      .where(Generation.model_line == line, Generation.model_version.between(lo, hi))
-                      .group_by(Generation.model_version))
-    out = {v: {"generations": int(n), "feedback": 0, "negative": 0} for v, n in gens}
-    if not out:
-        return out
     negative = ((Feedback.signal == "thumbs") & (Feedback.value < 0)) | Feedback.signal.in_(NEGATIVE_SIGNALS)
     mine = and_(Feedback.generation_id == Generation.generation_id, Feedback.tenant == Generation.tenant)
     # Per generation, its feedback counted on ix_feedback_generation (a join would hash all feedback).
@@ -157,11 +153,9 @@ def served_counts(db: Session, line: str, lo: int, hi: int) -> dict[int, dict[st
                              select(func.count()).where(mine).scalar_subquery().label("all"),
                              select(func.count()).where(mine, negative).scalar_subquery().label("negative"))
                       .where(Generation.model_line == line, Generation.model_version.between(lo, hi)).subquery())
-    rows = db.execute(select(per_generation.c.version, func.sum(per_generation.c.all),
+    rows = db.execute(select(per_generation.c.version, func.count(), func.sum(per_generation.c.all),
                              func.sum(per_generation.c.negative)).group_by(per_generation.c.version))
-    for v, n, neg in rows:
-        out[v]["feedback"], out[v]["negative"] = int(n or 0), int(neg or 0)
-    return out
+    return {v: {"generations": int(g), "feedback": int(n or 0), "negative": int(neg or 0)} for v, g, n, neg in rows}
 
 
 def trained_in(db: Session, line: str, version: int, limit: int = 100) -> list[dict[str, Any]]:

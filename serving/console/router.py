@@ -109,7 +109,7 @@ async def _page(request: Request, name: str, build: Any, *args: Any) -> Response
 @router.get("/console")
 async def overview(request: Request) -> Response:
     gateway = services(request)
-    lag = request.app.state.__dict__.setdefault("console_lag", pages.LagReader(gateway.settings))
+    lag: pages.LagReader = request.app.state.console_lag
     m = gateway.metrics
     counters = {"generations": pages.counter_total(m.generations), "feedback": pages.counter_total(m.feedback),
                 "rejected": pages.counter_total(m.rejected)}

@@ -42,6 +42,7 @@ from prometheus_client import CollectorRegistry
 
 from flywheel.settings import Settings
 from serving.console import router as console_router
+from serving.console.pages import LagReader
 from serving.errors import APIError, install_error_handlers, state_unavailable
 from serving.gateway import admin_router, api_router, openapi
 from serving.gateway.metrics import GatewayMetrics
@@ -119,7 +120,11 @@ def create_app(settings: Settings, *, producer_factory: Callable[[], Any] | None
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         async with open_services(settings, metrics, producer_factory) as services:
             app.state.services = services
-            yield
+            app.state.console_lag = LagReader(settings)  # the console's bus client, opened on first read
+            try:
+                yield
+            finally:
+                app.state.console_lag.close()
 
     app = FastAPI(title="flywheel gateway", docs_url=None, redoc_url=None, lifespan=lifespan, redirect_slashes=False)
     install_error_handlers(app)
