@@ -41,6 +41,7 @@ from fastapi import FastAPI
 from fastapi.responses import StreamingResponse
 
 from flywheel.settings import Settings, load_settings
+from rewards.guards import held_out_point
 from testbed.procs import free_port
 from tests.fixtures.roles import raw_exchange, served_app, wait_until
 from tests.fixtures.traffic import clean_env, start_up
@@ -319,7 +320,8 @@ def test_models_spends_the_callers_rate_limit(up: Up) -> None:
 def test_everything_under_the_data_dir_is_private_to_its_owner(up: Up) -> None:
     data = up.settings.data_path
     with up.client("acme") as acme:
-        session = f"private-{uuid.uuid4().hex}"
+        # A session of the training slice: one in the held-out slice (5% of ids) is never trained on.
+        session = next(s for s in (f"private-{uuid.uuid4().hex}" for _ in range(1000)) if held_out_point("acme", s) > 0.5)
         answer = acme.post("/v1/chat/completions", headers={"X-Flywheel-Session": session},
                            json={"messages": [{"role": "user", "content": "sort 3 1 2"}]})
         assert answer.status_code == 200, answer.text
