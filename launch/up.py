@@ -246,20 +246,28 @@ class Stack:
 def up(settings: Settings, stop: threading.Event) -> int:
     """Prepare, start every role, say so once a chat completion can be served, supervise until
     ``stop``; then stop every child. A stop before the stack is up ends it there (status 0)."""
+    # ``stop`` is what decides; Interrupted only cuts a long step short (an exception raised by a
+    # signal handler can be swallowed, e.g. inside an import lock's callback, but ``stop`` stays set).
     try:
         with interrupting(stop):
             settings = prepare(settings)
     except Interrupted as exc:
         log.warning("stopped (%s) while preparing; no role was started", exc)
         return 0
+    if stop.is_set():
+        log.warning("stopped while preparing; no role was started")
+        return 0
     stack = Stack(settings)
     try:
         stack.start()
         try:
             with interrupting(stop):  # a probe that waits on a slow child is abandoned too
-                stack.wait_ready(stop=stop)
+                ready = stack.wait_ready(stop=stop)
         except Interrupted as exc:
             log.warning("stopped (%s) while the roles were starting; stopping them", exc)
+            return 0
+        if not ready or stop.is_set():
+            log.warning("stopped while the roles were starting; stopping them")
             return 0
         gateway = f"http://{settings.gateway.host}:{settings.gateway.port}"
         auth = "off (embedded defaults: no API key needed)" if settings.gateway.auth == "off" else "on"
