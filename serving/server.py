@@ -14,6 +14,17 @@ else ``408`` and the connection is closed; more than ``max_head_bytes`` without 
 count as a head too, so they cannot hold a connection open either. Bodies are the app's to bound
 (``serving.protocol.read_json_body``'s deadline).
 
+Idle connections at shutdown: uvicorn closes a keep-alive connection that is between requests the
+moment shutdown begins. A client may have sent its next request on it an instant before (bytes
+this process has not read yet), and closing a socket with unread bytes resets it: the client gets
+``Connection reset by peer`` for a request it had every right to send, and cannot know whether it
+ran. So a connection between requests is kept for ``DRAIN_IDLE_S`` once shutdown begins: a request
+that arrives meanwhile is served with ``Connection: close``, and one still idle then is closed (a
+client idle that long is not sending at that instant, so the reset is no longer a race a busy
+client loses). A connection still waiting in the listening socket's queue when it closes is reset
+by the kernel; a load balancer that stops routing before SIGTERM (the usual rolling update) avoids
+that one.
+
 Malformed requests (docs/security.md): what uvicorn's HTTP parser refuses (a NUL or other control
 character in a header, a negative or beyond-64-bit ``Content-Length``, ``Content-Length`` together
 with ``Transfer-Encoding``, a bad chunk size, a request line that is not HTTP) gets ``400`` with the
@@ -47,6 +58,8 @@ log = logging.getLogger(__name__)
 #: Bounds on a request's line and headers for every server (gateway settings may set their own).
 HEADER_TIMEOUT_S = 10.0
 MAX_HEAD_BYTES = 64 * 1024
+#: How long a connection between requests stays open once shutdown begins (module docstring).
+DRAIN_IDLE_S = 0.5
 #: uvicorn's HTTP/1.1 parsers (``auto``: httptools when installed, else h11).
 Parser = Literal["auto", "httptools", "h11"]
 #: Where h11 starts quoting the request's bytes in its error messages.
@@ -96,6 +109,7 @@ def guarded_protocol(base: type[asyncio.Protocol], header_timeout_s: float, max_
         _head_bytes = 0  # bytes of the head being received (at a message boundary only)
         _head_bytes_seen = False  # any byte since the last complete head
         _tail = b""  # the last bytes of the head so far (its end may straddle two reads)
+        _draining = False  # shutdown began: every response closes its connection
 
         def _waiting(self) -> bool:
             """True between requests: no request, or the last one answered."""
@@ -145,6 +159,22 @@ def guarded_protocol(base: type[asyncio.Protocol], header_timeout_s: float, max_
                 self._refuse(408, "Request Timeout", f"request headers not received within {header_timeout_s:g} s",
                              "request_timeout")
 
+        def shutdown(self) -> None:
+            """Graceful shutdown (module docstring, Idle connections at shutdown): a request being
+            served finishes and closes the connection, as uvicorn's own; a connection between
+            requests stays open ``DRAIN_IDLE_S`` for a request already on its way."""
+            self._draining = True
+            if not self._waiting():
+                super().shutdown()
+            elif not self.transport.is_closing():
+                self.loop.call_later(DRAIN_IDLE_S, self._close_if_idle)
+
+        def _close_if_idle(self) -> None:
+            # A head being received is a request on its way: it is served (and the head timeout
+            # bounds it); its response closes the connection.
+            if self._waiting() and not self._head_bytes_seen and not self.transport.is_closing():
+                super().shutdown()
+
         def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)
             self._arm()
@@ -166,6 +196,8 @@ def guarded_protocol(base: type[asyncio.Protocol], header_timeout_s: float, max_
             if self.cycle is not cycle:  # a request's head is complete: the app has it now
                 self._disarm()
                 self._head_bytes_seen = False
+                if self._draining and self.cycle is not None:
+                    self.cycle.keep_alive = False  # its response says Connection: close
 
         def _count_head(self, data: bytes) -> bool:
             """Add ``data`` to the head being received, up to the blank line that ends it (one read
