@@ -28,7 +28,8 @@ from urllib.parse import unquote
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-from flywheel.metrics import Declarations, UndeclaredCustom
+from flywheel.metrics import Declarations, Metrics, UndeclaredCustom
+from flywheel.promotion import MustNotLose, MustWin, check_gates
 from flywheel.release_windows import parse_windows, time_zone
 
 # Secrets ---------------------------------------------------------------------------------------
@@ -496,6 +497,13 @@ class RolloutSettings(_Section):
     #: A canary is promoted no earlier than this many seconds after it became canary; a candidate
     #: promoted directly (``canary_fraction`` 0), this long after it was published.
     min_soak_s: float = Field(0.0, ge=0)
+    # Promotion on evidence (flywheel/promotion.py; serving/rollout_evidence.py has the statistics).
+    #: Metrics the canary must beat stable on, by at least each one's ``min_effect``, to be promoted.
+    must_win: list[MustWin] = []
+    #: Metrics the canary may not be worse on than stable by more than each one's ``tolerance``.
+    must_not_lose: list[MustNotLose] = []
+    #: With a gate set: a canary not promoted this many seconds after it started is rolled back.
+    max_window_s: float = Field(86400.0, gt=0)
 
     @field_validator("timezone")
     @classmethod
@@ -516,6 +524,8 @@ class RolloutSettings(_Section):
             freeze.start, freeze.end = (t if t.tzinfo else t.replace(tzinfo=zone) for t in (freeze.start, freeze.end))
             if freeze.end <= freeze.start:
                 raise ValueError(f"rollout.freezes[{i}] ({freeze.reason}) ends before it starts")
+        if (self.must_win or self.must_not_lose) and self.max_window_s < self.window_s:
+            raise ValueError(f"rollout.max_window_s ({self.max_window_s:g}) is shorter than window_s ({self.window_s:g})")
         return self
 
 
@@ -569,7 +579,12 @@ class Settings(BaseSettings):
     def _check(self) -> Settings:
         if self.bus.heartbeat_interval_ms * 3 > self.bus.session_timeout_ms:
             raise ValueError("bus.heartbeat_interval_ms must be at most a third of bus.session_timeout_ms")
+        check_gates(self.rollout.must_win, self.rollout.must_not_lose, self.product_metrics())
         return self
+
+    def product_metrics(self) -> Metrics:
+        """The metrics this deployment knows: the built-ins and ``[metrics.declared]``."""
+        return Metrics(self.metrics.declared, undeclared_custom=self.metrics.undeclared_custom)
 
     # Derived locations -------------------------------------------------------------------------
 

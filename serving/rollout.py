@@ -38,6 +38,17 @@ Every ``rollout.interval_s`` :func:`step` reads the registry and does at most on
    A canary that served nothing while stable served ``min_samples`` for ``window_s`` (no session
    reached it) is ``rolled_back``: waiting would stall the line.
 
+   **On evidence.** When the line has gates (``rollout.must_win`` / ``rollout.must_not_lose`` on
+   product metrics, flywheel/promotion.py), they decide instead of the three tests above
+   (serving/rollout_metrics.py gathers each arm's sessions; serving/rollout_evidence.py's
+   always-valid sequential tests stay valid however often the controller looks, which the
+   fixed-sample tests do not): a gate lost rolls back at once; every must_win gate won (and every
+   gate with ``min_samples`` sessions on each arm) promotes once ``window_s`` has passed; no win by
+   ``max_window_s`` rolls back with "no evidence of a win". The three tests' figures are still
+   computed and shown; a canary that served nothing is still rolled back as above. The gates'
+   verdicts ride in the decision's figures (``evidence``), which the rollout role records each
+   tick, and each look continues from the last one's.
+
 3. **In either case, the fleet first**: a canary or stable version that no node can load (every node with
    a fresh database heartbeat reports ``failed_update`` for it, none serves it: :func:`unloadable`)
    is ``rolled_back`` at once; for stable, the version every fresh node still serves is restored
@@ -117,10 +128,13 @@ from typing import Any
 
 from flywheel.events import VersionEvent
 from flywheel.health import Beat
+from flywheel.metrics import Metrics
 from flywheel.settings import RolloutSettings, Settings
 from flywheel.weights.registry import PinInfo, StatusChanged
 from serving.rollout_actions import RolloutError, node_waker, pin_figures, version_event
 from serving.rollout_calendar import Calendar, check
+from serving.rollout_evidence import EvidenceDecision
+from serving.rollout_metrics import evidence_figures, look, promotion_policy
 from serving.rollout_policy import (
     IMPLICABLE,
     LATENCY_SAMPLE_CAP,
@@ -269,8 +283,10 @@ def pinned_decision(pin: PinInfo, versions: Sequence[Any]) -> Decision:
                     {"pin": pin_figures(pin), "held": held})
 
 
-def evaluate(registry: Any, sessions: Any, policy: RolloutSettings, now: datetime | None = None) -> Decision:
-    """The decision for this tick, without applying it (``flywheel rollout status`` shows it)."""
+def evaluate(registry: Any, sessions: Any, policy: RolloutSettings, now: datetime | None = None,
+             metrics: Metrics | None = None) -> Decision:
+    """The decision for this tick, without applying it (``flywheel rollout status`` shows it).
+    ``metrics``: the deployment's (``Settings.product_metrics``); None: the built-in ones."""
     now = now or datetime.now(UTC)
     versions = registry.versions()
     pin = registry.pinned()
@@ -322,20 +338,35 @@ def evaluate(registry: Any, sessions: Any, policy: RolloutSettings, now: datetim
                                (now - since).total_seconds(), policy)
         unserved = verdict.action == "rollback" and verdict.figures["canary"]["generations"] == 0
         _, refused = failed_loads(db, registry.model_line, canary.version, now) if unserved else (0, {})
+        gates = promotion_policy(policy, metrics or Metrics())
+        evidence = (look(db, gates, metrics or Metrics(), registry.model_line, canary.version, stable, since, now)
+                    if gates is not None else None)
+    figures = verdict.figures if evidence is None else {
+        **verdict.figures, "evidence": evidence_figures(evidence, canary.version, since)}
     if refused:  # it served nothing and nodes failed to load it: a failed load too (step 4)
-        figures, tail = _implicating(versions, canary.version, stable)
+        implicating, tail = _implicating(versions, canary.version, stable)
         why = "; ".join(f"{node}: {reason}" for node, reason in refused.items())
         return Decision("rollback", canary.version, f"failed load: canary v{canary.version} vs v{stable}: "
-                        f"{verdict.reason}; failed to load it: {why}{tail}", {**verdict.figures, **figures}, "canary")
+                        f"{verdict.reason}; failed to load it: {why}{tail}", {**figures, **implicating}, "canary")
     if failed:  # the held-out gate, now that the canary served traffic (or a stricter policy)
         return Decision("rollback", canary.version, "gate failed: " + "; ".join(r.reason for r in failed),
-                        verdict.figures, "canary")
-    decision = Decision(verdict.action, canary.version, f"canary v{canary.version} vs v{stable}: {verdict.reason}",
-                        verdict.figures, "canary")
+                        figures, "canary")
+    action, reason = verdict.action, verdict.reason
+    if evidence is not None and not unserved:  # the gates decide (step 2, on evidence)
+        action, reason = on_evidence(evidence, (now - since).total_seconds(), policy.window_s)
+    decision = Decision(action, canary.version, f"canary v{canary.version} vs v{stable}: {reason}", figures, "canary")
     if decision.action != "promote":
         return decision
     with sessions() as db:
         return on_calendar(decision, "canary", since, registry.model_line, db, policy, now)
+
+
+def on_evidence(evidence: EvidenceDecision, elapsed_s: float, window_s: float) -> tuple[str, str]:
+    """The canary's action when the line has gates (module docstring, step 2): theirs, except that a
+    promotion also waits for ``window_s``."""
+    if evidence.action == "promote" and elapsed_s < window_s:
+        return "wait", f"window {elapsed_s:.0f}/{window_s:.0f}s; {evidence.reason}"
+    return evidence.action, evidence.reason
 
 
 #: Audit reasons of the controller's own status changes start so (:func:`step`); one that starts
@@ -379,9 +410,10 @@ _STATUS_OF = {"canary": "canary", "promote": "stable", "rollback": "rolled_back"
 
 
 def step(registry: Any, sessions: Any, policy: RolloutSettings,
-         notify: Callable[[VersionEvent], None] | None = None, now: datetime | None = None) -> Decision:
+         notify: Callable[[VersionEvent], None] | None = None, now: datetime | None = None,
+         metrics: Metrics | None = None) -> Decision:
     """Decide (:func:`evaluate`), log the decision with its figures, apply and announce it."""
-    decision = evaluate(registry, sessions, policy, now)
+    decision = evaluate(registry, sessions, policy, now, metrics)
     if decision.action == "rollback" and decision.figures.get("implicated"):
         roll_back_implicated(registry, decision, notify)
     if decision.changed and decision.was == "stable":  # no node can load it: restore what the fleet serves
@@ -456,14 +488,14 @@ def roll_back_implicated(registry: Any, decision: Decision,
 
 
 def tick(registry: Any, notify: Callable[[VersionEvent], None] | None = None, rollout: RolloutSettings | None = None,
-         sessions: Any = None, now: datetime | None = None) -> int | None:
+         sessions: Any = None, now: datetime | None = None, metrics: Metrics | None = None) -> int | None:
     """One :func:`step`; returns the version whose status changed, if any.
 
     ``rollout`` None: the default policy without a canary (gated candidates go straight to
     stable). ``sessions`` None: the registry's own session factory (same database).
     """
     policy = rollout if rollout is not None else RolloutSettings(canary_fraction=0.0)
-    decision = step(registry, sessions if sessions is not None else registry.sessions, policy, notify, now)
+    decision = step(registry, sessions if sessions is not None else registry.sessions, policy, notify, now, metrics)
     return decision.version if decision.changed else None
 
 
@@ -498,7 +530,8 @@ def run(settings: Settings, stop: threading.Event | None = None) -> None:
     try:
         while not stop.is_set():
             heartbeat.beat()
-            record(sessions, settings.model.line, step(registry, sessions, settings.rollout, notify))
+            record(sessions, settings.model.line,
+                   step(registry, sessions, settings.rollout, notify, metrics=settings.product_metrics()))
             heartbeat.beat()
             due = time.monotonic() + settings.rollout.interval_s
             while not stop.wait(max(0.0, min(BEAT_EVERY_S, due - time.monotonic()))) and time.monotonic() < due:
@@ -525,12 +558,13 @@ def calendar_report(registry: Any, sessions: Any, policy: RolloutSettings, decis
     return {**figures, "holding": {"version": decision.version, "reason": decision.reason} if held else None}
 
 
-def status_report(registry: Any, sessions: Any, policy: RolloutSettings, limit: int = 20) -> dict[str, Any]:
+def status_report(registry: Any, sessions: Any, policy: RolloutSettings, limit: int = 20,
+                  metrics: Metrics | None = None) -> dict[str, Any]:
     versions = registry.versions()
     keep = {v.version for v in versions[-limit:]} | {v.version for v in versions if v.status in ("stable", "canary")}
     pin = registry.pinned()
     now = datetime.now(UTC)
-    decision = evaluate(registry, sessions, policy, now)
+    decision = evaluate(registry, sessions, policy, now, metrics)
     return {
         "model_line": registry.model_line,
         "pin": pin_figures(pin) if pin is not None else None,

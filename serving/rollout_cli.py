@@ -62,7 +62,7 @@ def main(args: argparse.Namespace, settings: Settings) -> int:
     db, sessions, registry = open_line(settings)
     try:
         if args.action == "status":
-            report = status_report(registry, sessions, settings.rollout)
+            report = status_report(registry, sessions, settings.rollout, metrics=settings.product_metrics())
             if args.json:
                 print(json.dumps(report, indent=2, default=str))
                 return 0

@@ -378,6 +378,11 @@ class EvidenceDecision:
     def figures(self) -> dict[str, Any]:
         return {"action": self.action, "reason": self.reason, "verdicts": [v.to_dict() for v in self.verdicts]}
 
+    @classmethod
+    def from_figures(cls, data: Mapping[str, Any]) -> EvidenceDecision:
+        """The decision :meth:`figures` wrote (through JSON), to continue the next look from."""
+        return cls(data["action"], data["reason"], tuple(MetricVerdict.from_dict(v) for v in data["verdicts"]))
+
 
 def decide_on_evidence(policy: PromotionPolicy, canary: Mapping[str, ArmStats], stable: Mapping[str, ArmStats],
                        elapsed_s: float, previous: EvidenceDecision | None = None) -> EvidenceDecision:

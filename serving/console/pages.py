@@ -61,7 +61,8 @@ def decision(settings: Settings, sessions: Any, registry_factory: Any) -> dict[s
         return {**recorded, "source": f"the rollout role's last tick; next tick in about {fmt_num(due)} s"}
     import serving.rollout
 
-    evaluated = serving.rollout.evaluate(registry_factory(), sessions, settings.rollout, now)
+    evaluated = serving.rollout.evaluate(registry_factory(), sessions, settings.rollout, now,
+                                         settings.product_metrics())
     if recorded is None:
         why = "no decision of the rollout role recorded"
     elif newest and newest[1] > recorded["at"]:

@@ -95,7 +95,8 @@ async def admin_versions(request: Request) -> dict[str, Any]:
     await gateway.access.admin(request)
     registry = line_registry(gateway.settings, gateway.sessions)
     return await asyncio.to_thread(lambda: json.loads(json.dumps(
-        rollout().status_report(registry, gateway.sessions, gateway.settings.rollout), default=str)))
+        rollout().status_report(registry, gateway.sessions, gateway.settings.rollout,
+                                metrics=gateway.settings.product_metrics()), default=str)))
 
 
 @router.post("/admin/versions/{version}/{action}", openapi_extra=optional_body_schema(RolloutActionRequest))
