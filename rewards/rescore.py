@@ -10,7 +10,18 @@ twice gives the same rows. Rescoring under the version a live worker is using ad
 worker has not (both insert-ignore the same keys).
 
 Report prints, per spec version, model line and served version, the training and held-out reward
-rates (mean total reward) with counts, and the anomaly flag with its reason.
+rates (mean total reward) with counts, and the anomaly flag with its reason. Beside them, for the
+versions it lists, what each version observed of the deployment's product metrics (built-in and
+``[metrics.declared]``, booleans and floats) over all time, as the promotion gates observe them
+(flywheel/db/observed.py): the sessions with a value and their mean. A metric is listed for a line
+when some feedback in a session of the listed versions reports it (a metric nobody reports would be
+a row of zeros, or nothing), then for each version with a session that counts, even at a mean of 0
+(a boolean: every session served counts, reported or not).
+
+``--json`` prints the list of reward rows it always printed, each row with one key added,
+``metrics``: its (line, version)'s observations, ``{model_line, version, metric, type, level,
+direction, sessions, mean}`` each. An added key keeps every reader of the list working (a new
+top-level object would not); a version under two spec versions carries the same observations twice.
 """
 
 from __future__ import annotations
@@ -19,14 +30,17 @@ import argparse
 import json
 import logging
 import sys
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import func, select
 
 from flywheel.db.models import ScoredTrajectoryRow, Trajectory
+from flywheel.db.observed import OBSERVABLE, Observed, observe, reported
 from flywheel.db.session import make_session_factory, open_database
 from flywheel.events import TrajectoryEvent
+from flywheel.metrics import Metric, Metrics
 from flywheel.settings import Settings
 from rewards import credit, store
 from rewards.normalise import Normaliser
@@ -48,7 +62,7 @@ class RescoreResult:
 
 def rescore(settings: Settings, spec_path: str) -> RescoreResult:
     """Score every stored trajectory under the spec at ``spec_path`` (module docstring)."""
-    spec = load_spec(spec_path)
+    spec = load_spec(spec_path, settings.product_metrics())
     engine = open_database(settings.database_url, settings.db.wait_s)
     sessions = make_session_factory(engine)
     scorer = Scorer(spec, transcripts=store.DbTranscripts(sessions), generations=store.DbGenerations(sessions),
@@ -88,15 +102,23 @@ def rescore(settings: Settings, spec_path: str) -> RescoreResult:
 
 
 def report(settings: Settings, spec_version: str | None = None) -> list[dict[str, Any]]:
-    """Per (spec version, model line, version): counts, rates and the flag, as plain dicts."""
+    """Per (spec version, model line, version): counts, rates, the flag and the version's product
+    metrics (``metrics``, :func:`observed_metrics`), as plain dicts."""
     engine = open_database(settings.database_url, settings.db.wait_s)
     try:
         with make_session_factory(engine)() as db:
             rows = store.stats_rows(db, spec_version)
             scored = dict(db.execute(select(ScoredTrajectoryRow.reward_spec_version, func.count())
                                      .group_by(ScoredTrajectoryRow.reward_spec_version)).all())
+            listed: dict[str, set[int]] = {}
+            for r in rows:
+                listed.setdefault(r.model_line, set()).add(r.model_version)
+            observed = observed_metrics(db, settings.product_metrics(), {k: sorted(v) for k, v in listed.items()})
     finally:
         engine.dispose()
+    per_version: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for o in observed:
+        per_version.setdefault((o["model_line"], o["version"]), []).append(o)
     return [
         {
             "spec_version": r.reward_spec_version,
@@ -109,12 +131,35 @@ def report(settings: Settings, spec_version: str | None = None) -> list[dict[str
             "held_out_rate": r.held_out_sum / r.held_out_count if r.held_out_count else None,
             "flagged": r.flagged,
             "flag_reason": r.flag_reason,
+            "metrics": per_version.get((r.model_line, r.model_version), []),
         }
         for r in rows
     ]
 
 
+def observed_metrics(db: Any, metrics: Metrics, versions: Mapping[str, Sequence[int]]) -> list[dict[str, Any]]:
+    """Each line's ``versions``' observations of each boolean and float metric of ``metrics`` over
+    all time, by line, version, then metric: the metrics reported on the line's versions, for each
+    version with a session that counts (module docstring). One query per line and metric reported."""
+    out = []
+    for line, numbers in sorted(versions.items()):
+        names = reported(db, [m.name for m in metrics if m.declaration.type in OBSERVABLE], line, numbers)
+        found = []
+        for metric in metrics:
+            if metric.declaration.type in OBSERVABLE and metric.name in names:
+                found += [_observed_row(line, v, metric, o) for v, o in observe(db, metric, line, numbers).items() if o.n]
+        out += sorted(found, key=lambda row: row["version"])  # stable: metrics keep their order
+    return out
+
+
+def _observed_row(line: str, version: int, metric: Metric, o: Observed) -> dict[str, Any]:
+    d = metric.declaration
+    return {"model_line": line, "version": version, "metric": metric.name, "type": d.type, "level": d.level,
+            "direction": d.direction, "sessions": o.n, "mean": o.mean}
+
+
 def format_report(rows: list[dict[str, Any]]) -> str:
+    """The reward rows as a table, then the product metrics of their versions as another."""
     if not rows:
         return "no reward stats yet (nothing scored)"
 
@@ -128,6 +173,23 @@ def format_report(rows: list[dict[str, Any]]) -> str:
             f"{rate(r['train_rate']):>7} {r['held_out_count']:>7} {rate(r['held_out_rate']):>7}  "
             + (f"FLAGGED: {r['flag_reason']}" if r["flagged"] else "")
         )
+    return "\n".join(lines) + "\n\n" + format_metrics(rows)
+
+
+def format_metrics(rows: list[dict[str, Any]]) -> str:
+    """The product metrics the report's rows carry, once per (line, version, metric)."""
+    unique: dict[tuple[str, int, str], dict[str, Any]] = {}
+    for r in rows:
+        for m in r["metrics"]:
+            unique.setdefault((m["model_line"], m["version"], m["metric"]), m)
+    if not unique:
+        return "no product metrics observed on these versions (no feedback reports a metric)"
+    lines = ["product metrics per version, all time (sessions with a value, their mean):",
+             f"{'line':<16} {'version':>7} {'metric':<24} {'type':<7} {'level':<10} {'better':<6} {'sessions':>8} "
+             f"{'mean':>9}"]
+    for m in sorted(unique.values(), key=lambda m: (m["model_line"], m["version"])):
+        lines.append(f"{m['model_line']:<16} {m['version']:>7} {m['metric']:<24} {m['type']:<7} {m['level']:<10} "
+                     f"{m['direction'] or '-':<6} {m['sessions']:>8} {m['mean']:>9.4g}")
     return "\n".join(lines)
 
 

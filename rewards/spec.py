@@ -18,6 +18,11 @@ Invariants:
   ``clarify``, ``echo``) have their defaults stated in the templates that use them.
 - A ``metrics`` builder may not name a signal that another enabled builder already reads (it would
   count twice), and a metric's rewards must agree with its declared ``direction``.
+- Loaded for a deployment (:func:`load_spec` with its metrics, as the worker and ``flywheel rewards
+  rescore`` load it), every metric an enabled ``metrics`` builder reads is one the deployment knows
+  (built-in or ``[metrics.declared]``) and is read as it is declared: the same ``type``, ``level``
+  and ``direction``. Otherwise the spec would score feedback the gateway refuses (it never comes) or
+  reward a metric the other way round from the one the promotion gates and the console measure.
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from flywheel.metrics import BUILTIN, Metric, Metrics
 
 DEFAULT_SPEC = "default.toml"
 
@@ -447,7 +454,57 @@ def parse_spec(data: dict[str, Any], name: str = "<spec>") -> RewardSpec:
         raise SpecError(f"reward spec {name}: {len(problems)} problem(s):\n" + "\n".join(problems)) from None
 
 
-def load_spec(path: str | Path | None = None) -> RewardSpec:
+def load_spec(path: str | Path | None = None, metrics: Metrics | None = None) -> RewardSpec:
     """The spec at ``path`` (empty or ``None``: the built-in default; a shipped spec's name: that
-    spec, :func:`builtin_specs`), resolved and validated."""
-    return parse_spec(_read(path), str(path or "default"))
+    spec, :func:`builtin_specs`), resolved and validated; with ``metrics`` (the deployment's,
+    ``Settings.product_metrics()``), also checked against them (:func:`check_metrics`)."""
+    spec = parse_spec(_read(path), str(path or "default"))
+    if metrics is not None:
+        check_metrics(spec, metrics, _file(path))
+    return spec
+
+
+def _file(path: str | Path | None) -> str:
+    """The file a spec was read from, as a person finds it."""
+    name = _name(path)
+    return f"{name} (rewards/specs/{name}.toml)" if name in builtin_specs() else name
+
+
+def _declaration(name: str, m: BooleanMetric | FloatMetric) -> str:
+    """The settings' lines that would declare ``m`` as the spec reads it."""
+    return f'[metrics.declared.{name}] type = "{m.type}", level = "{m.level}", direction = "{m.direction}"'
+
+
+def metric_problems(spec: RewardSpec, metrics: Metrics) -> list[str]:
+    """What the spec's enabled ``metrics`` builders read that ``metrics`` does not know, or knows
+    otherwise (type, level, direction): one line each, saying what to change."""
+    problems = []
+    for b in spec.builders:
+        if not (b.enabled and isinstance(b, MetricsBuilder)):
+            continue
+        for name, m in b.params.signals.items():
+            known = metrics.get(name)
+            where = f"builder {b.name or b.kind!r} reads metric {name!r}"
+            if known is None:
+                problems.append(f"  {where}, which the settings do not declare: declare it as "
+                                f"{_declaration(name, m)} (built-in metrics: {', '.join(BUILTIN)})")
+            elif (said := _as_read(m)) != (actual := _as_read(known)):
+                fix = (f"change the spec's signals.{name} to agree (a built-in metric is fixed)" if known.builtin
+                       else f"make the spec's signals.{name} and [metrics.declared.{name}] agree")
+                owner = "the built-in metric is" if known.builtin else "the settings declare it"
+                problems.append(f"  {where} as {said}, but {owner} {actual}: {fix}")
+    return problems
+
+
+def _as_read(m: BooleanMetric | FloatMetric | Metric) -> str:
+    d = m.declaration if isinstance(m, Metric) else m
+    return f"type {d.type}, level {d.level}, direction {d.direction}"
+
+
+def check_metrics(spec: RewardSpec, metrics: Metrics, name: str) -> None:
+    """:class:`SpecError` naming the spec file ``name`` and every metric its ``metrics`` builders
+    read that the deployment does not know, or declares otherwise (module docstring)."""
+    problems = metric_problems(spec, metrics)
+    if problems:
+        raise SpecError(f"reward spec {name} does not fit this deployment's product metrics: {len(problems)} "
+                        "problem(s):\n" + "\n".join(problems))

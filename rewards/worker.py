@@ -26,8 +26,11 @@ never stops the stream, and never crash-loops the worker.
   returns). Then it does what a restart does (spec registered, normaliser restored from the
   database), rewinds its partitions to their committed offsets and goes on, without leaving the
   group (no rebalance). A longer outage, and any other error, still ends the process.
-- At start the spec is validated, its custom builders resolved and its version registered: a
-  changed spec under an old version stops the worker before it scores anything.
+- At start the spec is validated, checked against the deployment's product metrics (every metric a
+  ``metrics`` builder reads is built in or declared, with the type, level and direction the
+  settings give it: ``rewards.spec.check_metrics``), its custom builders resolved and its version
+  registered: a spec that does not fit, or a changed spec under an old version, stops the worker
+  before it scores anything.
 """
 
 from __future__ import annotations
@@ -182,7 +185,7 @@ def _prepare(sessions: sessionmaker[Session], spec: RewardSpec, restore_rows: in
 def run(settings: Settings, stop: threading.Event | None = None) -> None:
     """Score trajectories until ``stop`` is set (see the module docstring)."""
     stop = stop or threading.Event()
-    spec = load_spec(settings.rewards.spec_path)
+    spec = load_spec(settings.rewards.spec_path, settings.product_metrics())
     engine = open_database(settings.database_url, settings.db.wait_s)
     sessions = make_session_factory(engine)
     scorer = Scorer(spec, transcripts=store.DbTranscripts(sessions), generations=store.DbGenerations(sessions),

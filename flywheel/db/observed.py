@@ -73,6 +73,24 @@ def _report_value(metric: Metric) -> Any:
     return case((true, 1.0), else_=0.0)
 
 
+def reported(db: Any, names: Sequence[str], model_line: str, versions: Sequence[int]) -> set[str]:
+    """Which of ``names`` some feedback in a session that ``versions`` served names (a metric nobody
+    reports is a row of zeros or nothing, so reports skip it): the sessions on
+    ``ix_generations_version``, then per session one count per name on ``ix_feedback_session`` (a
+    join would hash all feedback)."""
+    if not names or not versions:
+        return set()
+    served = (select(Generation.tenant, Generation.session_id)
+              .where(Generation.model_line == model_line, Generation.model_version.in_(list(versions)))
+              .distinct().subquery())
+    mine = and_(Feedback.tenant == served.c.tenant, Feedback.session_id == served.c.session_id)
+    counts = (select(*(select(func.count()).where(mine, Feedback.signal == name).scalar_subquery().label(f"n{i}")
+                       for i, name in enumerate(names)))
+              .select_from(served).subquery())
+    totals = db.execute(select(*(func.sum(column) for column in counts.c))).one()
+    return {name for name, total in zip(names, totals) if total}
+
+
 def observe(db: Any, metric: Metric, model_line: str, versions: Sequence[int], since: datetime | None = None,
             until: datetime | None = None) -> dict[int, Observed]:
     """Each of ``versions``' observation of ``metric`` over the sessions it served between ``since``
