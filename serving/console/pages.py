@@ -4,6 +4,8 @@ capture and the bus, as one plain dict per page for its template.
 Each builder runs in a worker thread with one database session. The overview's decision is the one
 the rollout role recorded at its last tick (:mod:`serving.rollout_record`); when none is recent, it
 is evaluated here exactly as ``flywheel rollout status`` does, and the page says which it shows.
+The canary page adds the promotion gates' verdicts that decision carries (:func:`evidence`); a
+version's page, what it observed of each product metric (``queries.observed``).
 """
 
 from __future__ import annotations
@@ -126,11 +128,12 @@ def version(settings: Settings, sessions: Any, number: int) -> dict[str, Any] | 
         audit = queries.transitions(db, line, [number])[number]
         trained = queries.trained_in(db, line, number)
         trained_n = trained_count(db, line, number)
+        observed = queries.observed(db, settings.product_metrics(), line, number)
     staleness = sorted(((k, float(n)) for k, n in (row.metrics.get("staleness") or {}).items()), key=lambda kv: int(kv[0]))
     hist = charts.bar_chart(staleness, title=f"staleness of v{number}'s samples", x_label="versions behind",
                             y_label="samples")
     return {"line": line, "v": row, "spec": spec, "reward": reward, "counts": counts, "audit": audit,
-            "trained": trained, "trained_n": trained_n, "hist": hist}
+            "trained": trained, "trained_n": trained_n, "hist": hist, "observed": observed}
 
 
 def canary(settings: Settings, sessions: Any, registry_factory: Any) -> dict[str, Any]:
@@ -147,7 +150,35 @@ def canary(settings: Settings, sessions: Any, registry_factory: Any) -> dict[str
                       and test["p"] < settings.rollout.alpha})
     return {"line": line, "stable": [v for v in serving if v.status == "stable"],
             "canary": [v for v in serving if v.status == "canary"], "pinned": [v for v in serving if v.pinned],
-            "decision": chosen, "figures": figures, "tests": tests, "recent": recent, "policy": settings.rollout}
+            "decision": chosen, "figures": figures, "tests": tests, "evidence": evidence(figures), "recent": recent,
+            "policy": settings.rollout}
+
+
+def evidence(figures: dict[str, Any]) -> dict[str, Any] | None:
+    """The promotion gates' verdicts a decision's figures carry (``figures["evidence"]``,
+    serving/rollout_metrics.py), each interval written as a person reads it (an open end, recorded
+    as null, is infinite); None when the line has no gates."""
+    found = figures.get("evidence")
+    if not isinstance(found, dict):
+        return None
+    verdicts = [{**v, "interval": f"[{_bound(v.get('lower'), '-inf')}, {_bound(v.get('upper'), '+inf')}]"}
+                for v in found.get("verdicts") or () if isinstance(v, dict)]
+    return {"canary": found.get("canary"), "since": _when(found.get("since")), "action": found.get("action"),
+            "verdicts": verdicts}
+
+
+def _bound(value: Any, open_end: str) -> str:
+    finite = isinstance(value, int | float) and math.isfinite(value)
+    return fmt_num(value) if finite else open_end
+
+
+def _when(iso: Any) -> datetime | None:
+    """An ISO time as the figures carry it (UTC when it names no zone); None when it is not one."""
+    try:
+        at = datetime.fromisoformat(iso) if isinstance(iso, str) else None
+    except ValueError:
+        return None
+    return at if at is None or at.tzinfo else at.replace(tzinfo=UTC)
 
 
 def session_list(settings: Settings, sessions: Any, tenant: str | None, query: str | None,

@@ -29,6 +29,8 @@ from flywheel.db.models import (
     Trajectory,
     VersionTransition,
 )
+from flywheel.db.observed import OBSERVABLE, observe, reported
+from flywheel.metrics import Metrics
 from serving.rollout_policy import NEGATIVE_SIGNALS
 
 #: Versions a page of the lineage shows.
@@ -156,6 +158,24 @@ def served_counts(db: Session, line: str, lo: int, hi: int) -> dict[int, dict[st
     rows = db.execute(select(per_generation.c.version, func.count(), func.sum(per_generation.c.all),
                              func.sum(per_generation.c.negative)).group_by(per_generation.c.version))
     return {v: {"generations": int(g), "feedback": int(n or 0), "negative": int(neg or 0)} for v, g, n, neg in rows}
+
+
+def observed(db: Session, metrics: Metrics, line: str, version: int) -> list[dict[str, Any]]:
+    """What ``version`` observed of each boolean and float product metric over all time, as the
+    promotion gates observe it (flywheel/db/observed.py, on ``ix_generations_version``, then
+    ``ix_feedback_generation`` or ``ix_feedback_session``): each metric some feedback in its sessions
+    reports (:func:`~flywheel.db.observed.reported`; the others would be a row of zeros or nothing, and observing a metric
+    nobody reports can cost a scan of all feedback), with its sessions and their mean."""
+    candidates = [m for m in metrics if m.declaration.type in OBSERVABLE]
+    names = reported(db, [m.name for m in candidates], line, [version])
+    out = []
+    for metric in (m for m in candidates if m.name in names):
+        o = observe(db, metric, line, [version])[version]
+        if o.n:
+            d = metric.declaration
+            out.append({"metric": metric.name, "type": d.type, "level": d.level, "direction": d.direction,
+                        "sessions": o.n, "mean": o.mean})
+    return out
 
 
 def trained_in(db: Session, line: str, version: int, limit: int = 100) -> list[dict[str, Any]]:

@@ -256,3 +256,52 @@ def test_the_overview_shows_the_decision_the_rollout_role_recorded(console):
     v3 = publish(console["registry"])  # published after that tick: the console decides afresh
     overview = client.get("/console").text
     assert f"evaluated now by the console (v{v3} was published after the rollout role&#39;s last tick)" in overview
+
+
+def test_the_canary_page_shows_the_promotion_gates_verdicts_escaped(console):
+    from serving.rollout import Decision
+    from serving.rollout_record import record
+
+    client, sessions, v2 = console["client"], console["sessions"], console["v2"]
+    login(client, console["admin"])
+    assert 'id="evidence"' not in client.get("/console/canary").text  # a line without gates shows none
+    since = datetime.now(UTC) - timedelta(minutes=5)
+    verdicts = [
+        {"metric": "solved", "role": "must_win", "outcome": "undecided", "effect": 0.05, "lower": -0.02, "upper": None,
+         "p": 0.2, "n_canary": 120, "n_stable": 130, "mean_canary": 0.55, "mean_stable": 0.5, "reason": "r"},
+        {"metric": "<b>latency</b>", "role": "must_not_lose", "outcome": "lose", "effect": -0.1, "lower": None,
+         "upper": None, "p": 0.01, "n_canary": 3, "n_stable": 4, "mean_canary": None, "mean_stable": None,
+         "reason": "<script>x</script>"}]
+    figures = {"evidence": {"canary": v2, "since": since.isoformat(), "action": "<i>wait</i>", "reason": "waiting",
+                            "verdicts": verdicts}}
+    record(sessions, LINE, Decision("wait", v2, "waiting (300s of max window 3600s)", figures))
+    html = client.get("/console/canary").text
+    assert f"evidence on v{v2} since 5 min ago: &lt;i&gt;wait&lt;/i&gt;" in html
+    assert re.search(r"<td>solved</td><td>must_win</td><td><span class=\"tag\">undecided</span></td><td>0.05</td>"
+                     r"<td>\[-0.02, \+inf\]</td><td>0.2</td><td>120 / 130</td><td>0.55 / 0.5</td>", html)
+    assert re.search(r"<td>&lt;b&gt;latency&lt;/b&gt;</td><td>must_not_lose</td><td><span class=\"tag error\">lose"
+                     r"</span></td><td>-0.1</td><td>\[-inf, \+inf\]</td><td>0.01</td><td>3 / 4</td><td>- / -</td>", html)
+    assert "<b>latency" not in html and "<i>wait" not in html and "<script>x" not in html
+
+
+def test_a_version_page_shows_what_it_observed_of_each_product_metric(console):
+    client, sessions, v1, v2 = console["client"], console["sessions"], console["v1"], console["v2"]
+    gid = add_session(sessions, "acme", "sess-2", v1, f"traj-{uuid.uuid4().hex[:8]}")  # thumbs -1 on v1
+    now = datetime.now(UTC)
+    with sessions() as db, db.begin():
+        for kind, signal, value, generation_id in (("outcome", "task_solved", 1.0, None), ("implicit", "retry", None, gid)):
+            fid = uuid.uuid4().hex
+            db.add(Feedback(event_id=fid, feedback_id=fid, tenant="acme", session_id="sess-2", generation_id=generation_id,
+                            kind=kind, signal=signal, value=value, ts=now, state="joined", payload={}))
+    login(client, console["admin"])
+    row = "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>"
+    v0 = client.get("/console/versions/0").text
+    assert row.format("thumbs", "float", "generation", "higher", 1, -1) in v0
+    assert "task_solved" not in v0 and ">retry<" not in v0  # reported on v1 only
+    page = client.get(f"/console/versions/{v1}").text
+    table = page.split('id="product-metrics"')[1].split("</table>")[0]
+    assert row.format("thumbs", "float", "generation", "higher", 1, -1) in table
+    assert row.format("retry", "boolean", "generation", "lower", 1, 1) in table
+    assert row.format("task_solved", "float", "session", "higher", 1, 1) in table
+    assert table.count("<tr><td>") == 3  # what nobody reported (rating, edits, abandon...) is left out
+    assert f"no feedback reports a product metric on v{v2}" in client.get(f"/console/versions/{v2}").text
