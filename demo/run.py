@@ -28,12 +28,13 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from demo.users import Served, UserPool
+from demo.users import Behaviour, Served, UserPool
 from flywheel.settings import Settings
 from launch.up import Stack, prepare, with_model
 
@@ -53,12 +54,14 @@ class DemoOptions:
     #: The product's sampling settings (temperature, top_p, top_k) where given; the rest as the
     #: model's defaults and OpenAI's leave them.
     sampling: tuple[tuple[str, float | int], ...] = ()
+    #: Promote through a canary gated on the users' success metric (:data:`DEMO_CANARY`).
+    canary: bool = False
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> DemoOptions:
         knobs = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k}
         return cls(args.quick, args.minutes, args.lr, args.users, args.json_path, args.plot_path, args.port, args.seed,
-                   tuple((k, v) for k, v in knobs.items() if v is not None))
+                   tuple((k, v) for k, v in knobs.items() if v is not None), getattr(args, "canary", False))
 
     @property
     def traffic_minutes(self) -> float:
@@ -75,6 +78,22 @@ DEMO_OVERRIDES: dict[str, Any] = {
     # Versions come every few seconds here, so behaviour data is a few versions old by the time
     # it is scored; the importance ratio corrects for it.
     "trainer": {"max_staleness": 8},
+}
+#: ``flywheel demo --canary``: the newest candidate is a canary for half the new sessions and is
+#: promoted only once it beats stable on ``solved`` (a session-level boolean the users report:
+#: solved, or given up) by more than 1 point, at alpha 0.05 under continuous looks
+#: (serving/rollout_evidence.py; the mixture is tuned to effects of about 5 points); no win within
+#: 2 minutes rolls it back. The held-out reward gate (a fixed-sample comparison of held-out rewards,
+#: noisy at a canary's size) waits for 1,000 held-out trajectories a version: here the live gate is
+#: the evidence. Stable serves for a minute or more while the trainer publishes every few seconds, so
+#: the trainer keeps samples up to 64 versions old (importance-corrected).
+SUCCESS_METRIC = "solved"
+DEMO_CANARY: dict[str, Any] = {
+    "metrics": {"declared": {SUCCESS_METRIC: {"type": "boolean", "level": "session", "direction": "max"}}},
+    "rollout": {"canary_fraction": 0.5, "window_s": 0.0, "min_samples": 100, "max_window_s": 120.0,
+                "held_out_min_samples": 1000,
+                "must_win": [{"metric": SUCCESS_METRIC, "min_effect": 0.01, "alpha": 0.05, "mixing_sd": 0.05}]},
+    "trainer": {"max_staleness": 64},
 }
 HELDOUT_N = 300
 
@@ -108,7 +127,11 @@ def loop_settings(settings: Settings, run_dir: Path, model_path: Path, *, port: 
 
 
 def _demo_settings(settings: Settings, options: DemoOptions, run_dir: Path, model_path: Path) -> Settings:
-    overrides = {"trainer": {"lr": options.lr}} if options.lr is not None else None
+    from flywheel.settings import deep_merge
+
+    overrides: dict[str, Any] = DEMO_CANARY if options.canary else {}
+    if options.lr is not None:
+        overrides = deep_merge(overrides, {"trainer": {"lr": options.lr}})
     return loop_settings(settings, run_dir, model_path, port=options.port, overrides=overrides)
 
 
@@ -265,14 +288,16 @@ def run_demo(settings: Settings, options: DemoOptions, stop: threading.Event) ->
     with live_stack(settings, t_start) as live:
         gateway, watcher = live.gateway, live.watcher
         n_users = options.users or 8
-        pool = UserPool(gateway, settings.model.line, n_users, options.seed, max_tokens=settings.node.max_new_tokens, t0=t_start,
-                        sampling=dict(options.sampling) or None)
+        behaviour = Behaviour(success_metric=SUCCESS_METRIC if options.canary else None)
+        pool = UserPool(gateway, settings.model.line, n_users, options.seed, behaviour,
+                        max_tokens=settings.node.max_new_tokens, t0=t_start, sampling=dict(options.sampling) or None)
         minutes = options.traffic_minutes
         print(
             f"flywheel demo: stack up in {time.monotonic() - t_start:.0f}s; {n_users} simulated users for "
             f"{minutes:g} min; trainer lr={settings.trainer.lr:g}; gateway {gateway}/v1; console {gateway}/console",
             flush=True,
         )
+        t_traffic_wall = datetime.now(UTC)
         run_traffic(live.stack, pool, minutes, stop, report=lambda elapsed: _progress(pool, registry, watcher, elapsed))
         received = len(pool.stats.served)
         captured, persisted = _drain(gateway, sessions, Generation, received)
@@ -344,6 +369,7 @@ def run_demo(settings: Settings, options: DemoOptions, stop: threading.Event) ->
         "trained_tokens": trainable["trained"],
         "completion_tokens": trainable["completion"],
         "served_success_by_version": served_success,
+        "rollout": rollout_summary(registry.transitions(), t_traffic_wall),
         "wall_seconds": round(time.monotonic() - t_start, 1),
     }
     _print_summary(summary)
@@ -403,6 +429,34 @@ def _served_success_by_version(pool: UserPool) -> dict[str, dict[str, float]]:
     return {v: {"first_answers": len(xs), "success": round(sum(xs) / len(xs), 4)} for v, xs in out.items()}
 
 
+def rollout_summary(transitions: list[dict[str, Any]], started: datetime) -> dict[str, Any]:
+    """The controller's canaries from the audit log: each one's outcome and seconds (after traffic
+    started) at canary and at its end; promotions with the canary's length, rollbacks by reason."""
+    canaries: dict[int, dict[str, Any]] = {}
+    direct = 0
+    for t in transitions:
+        at = round((t["at"] - started).total_seconds(), 1)
+        if t["to_status"] == "canary":
+            canaries[t["version"]] = {"version": t["version"], "canary_at_s": at, "outcome": "running"}
+        elif t["version"] in canaries and canaries[t["version"]]["outcome"] == "running":
+            run = canaries[t["version"]]
+            run.update(outcome={"stable": "promoted", "rolled_back": "rolled_back"}.get(t["to_status"], t["to_status"]),
+                       ended_at_s=at, canary_s=round(at - run["canary_at_s"], 1), reason=t["reason"][:300])
+        elif t["to_status"] == "stable" and t["from_status"] == "candidate":
+            direct += 1
+    runs = list(canaries.values())
+    promoted = [r for r in runs if r["outcome"] == "promoted"]
+    rolled = [r for r in runs if r["outcome"] == "rolled_back"]
+    return {
+        "canaries": runs,
+        "promotions": len(promoted),
+        "direct_promotions": direct,
+        "rollbacks_no_evidence": sum("no evidence of a win" in r["reason"] for r in rolled),
+        "rollbacks_other": sum("no evidence of a win" not in r["reason"] for r in rolled),
+        "seconds_to_promotion": [r["canary_s"] for r in promoted],
+    }
+
+
 def _progress(pool: UserPool, registry: Any, watcher: NodeWatcher, elapsed: float) -> None:
     served = list(pool.stats.served)
     recent = [s.correct for s in served if s.attempt == 0 and s.t >= served[-1].t - 30] if served else []
@@ -436,6 +490,12 @@ def _print_summary(s: dict[str, Any]) -> None:
         )
     print(f"  held-out success          {s['heldout_success_start']:.1%} -> {s['heldout_success_end']:.1%}"
           f"  (sampling {s['sampling']})")
+    rollout = s["rollout"]
+    if rollout["canaries"]:
+        waits = rollout["seconds_to_promotion"]
+        spans = f" (after {min(waits):.0f}-{max(waits):.0f} s as canary)" if waits else ""
+        print(f"  canaries                  {len(rollout['canaries'])}: {rollout['promotions']} promoted{spans}, "
+              f"{rollout['rollbacks_no_evidence']} rolled back for no evidence of a win, {rollout['rollbacks_other']} other")
     fraction = s["trainable_token_fraction"]
     print(f"  trainable tokens          {'n/a' if fraction is None else f'{fraction:.1%}'} of completion tokens trained"
           f"{'; left out: ' + str(s['masked_tokens']) if s['masked_tokens'] else ''}")

@@ -31,6 +31,9 @@ class Behaviour:
     p_thumbs_down_when_wrong: float = 0.4
     p_retry_when_wrong: float = 0.7
     max_attempts: int = 3
+    #: A declared session-level boolean metric the user reports when the session ends: true when
+    #: an answer solved the task, false when they give up (``flywheel demo --canary`` gates on it).
+    success_metric: str | None = None
 
 
 @dataclass(frozen=True)
@@ -48,6 +51,8 @@ def react(rng: random.Random, behaviour: Behaviour, correct: bool, attempt: int,
         if rng.random() < behaviour.p_thumbs_up_when_right:
             fb.append({"generation_id": generation_id, "kind": "explicit", "signal": "thumbs", "value": 1})
         fb.append({"kind": "outcome", "signal": "task_solved", "value": 1})
+        if behaviour.success_metric:
+            fb.append({"metric": behaviour.success_metric, "value": True})
         return Reaction(fb, retry=False)
     if rng.random() < behaviour.p_thumbs_down_when_wrong:
         fb.append({"generation_id": generation_id, "kind": "explicit", "signal": "thumbs", "value": -1})
@@ -55,6 +60,8 @@ def react(rng: random.Random, behaviour: Behaviour, correct: bool, attempt: int,
         fb.append({"generation_id": generation_id, "kind": "implicit", "signal": "retry"})
         return Reaction(fb, retry=True)
     fb.append({"generation_id": generation_id, "kind": "implicit", "signal": "abandon"})
+    if behaviour.success_metric:
+        fb.append({"metric": behaviour.success_metric, "value": False})
     return Reaction(fb, retry=False)
 
 

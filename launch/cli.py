@@ -199,6 +199,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--plot", dest="plot_path", help="write the reward-over-time PNG here")
     demo.add_argument("--port", type=int, help="gateway port (default: a free one)")
     demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--canary", action="store_true",
+                      help="promote through a canary that must win on the users' success metric (demo/run.py DEMO_CANARY)")
     demo.add_argument("--temperature", type=float, help="the users' (and held-out evaluation's) sampling temperature")
     demo.add_argument("--top-p", type=float, help="the users' (and held-out evaluation's) top-p")
     demo.add_argument("--top-k", type=int, help="the users' (and held-out evaluation's) top-k")

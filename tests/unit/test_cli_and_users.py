@@ -42,6 +42,41 @@ def test_wrong_answers_retry_until_the_last_attempt_then_abandon():
     assert not last.retry and last.feedback[-1]["signal"] == "abandon"
 
 
+def test_a_success_metric_is_reported_true_when_solved_and_false_when_given_up():
+    b = Behaviour(p_retry_when_wrong=0.0, success_metric="solved")
+    assert react(random.Random(1), b, correct=True, attempt=0, generation_id="g").feedback[-1] == {
+        "metric": "solved", "value": True}
+    assert react(random.Random(1), b, correct=False, attempt=0, generation_id="g").feedback[-1] == {
+        "metric": "solved", "value": False}
+    retrying = react(random.Random(1), Behaviour(p_retry_when_wrong=1.0, success_metric="solved"), False, 0, "g")
+    assert retrying.retry and all("metric" not in item for item in retrying.feedback)  # the session goes on
+
+
+def test_the_demo_summarises_its_canaries_from_the_audit_log():
+    from datetime import UTC, datetime, timedelta
+
+    from demo.run import rollout_summary
+
+    t0 = datetime(2026, 11, 27, 12, 0, tzinfo=UTC)
+
+    def at(s: float) -> datetime:
+        return t0 + timedelta(seconds=s)
+
+    log = [{"version": 0, "from_status": "candidate", "to_status": "stable", "reason": "up", "at": at(-5)},
+           {"version": 3, "from_status": "candidate", "to_status": "canary", "reason": "rollout: canary", "at": at(10)},
+           {"version": 3, "from_status": "canary", "to_status": "stable", "reason": "rollout: evidence of a win",
+            "at": at(70)},
+           {"version": 0, "from_status": "stable", "to_status": "retired", "reason": "v3 promoted", "at": at(70)},
+           {"version": 9, "from_status": "candidate", "to_status": "canary", "reason": "rollout: canary", "at": at(74)},
+           {"version": 9, "from_status": "canary", "to_status": "rolled_back",
+            "reason": "rollout: canary v9 vs v3: no evidence of a win after 180s", "at": at(254)},
+           {"version": 12, "from_status": "candidate", "to_status": "canary", "reason": "rollout: canary", "at": at(258)}]
+    s = rollout_summary(log, t0)
+    assert (s["promotions"], s["direct_promotions"], s["rollbacks_no_evidence"], s["rollbacks_other"]) == (1, 1, 1, 0)
+    assert s["seconds_to_promotion"] == [60.0]
+    assert [(c["version"], c["outcome"]) for c in s["canaries"]] == [(3, "promoted"), (9, "rolled_back"), (12, "running")]
+
+
 def test_every_reaction_is_valid_feedback():
     rng = random.Random(7)
     for attempt in range(3):
