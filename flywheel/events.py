@@ -19,6 +19,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, NonNegativeInt, StringConstraints, model_validator
 
 from flywheel import jsonpolicy
+from flywheel.identity import HASH_PATTERN
 
 SCHEMA_VERSION = 1
 
@@ -109,6 +110,14 @@ class GenerationEvent(_Event):
     #: ``choice_index`` is the choice's ``index`` in the response. ``None`` and 0 for ``n = 1``.
     group_id: Ident | None = Field(None, max_length=128)
     choice_index: int = Field(0, ge=0)
+    #: The end user the request named (OpenAI's ``user`` or the ``X-Flywheel-User`` header) as its
+    #: keyed hash (``flywheel.identity.user_hash``); the raw id is in no event. None: no user named.
+    #: (Added within version 1: an event without an end user leaves it out on the wire, so consumers
+    #: that predate it still read those; upgrade consumers before gateways that send it.)
+    user_hash: str | None = Field(None, pattern=HASH_PATTERN)
+
+    def to_bytes(self) -> bytes:
+        return self.model_dump_json(exclude={"user_hash"} if self.user_hash is None else None).encode()
 
     @model_validator(mode="after")
     def _aligned(self) -> GenerationEvent:

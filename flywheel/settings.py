@@ -95,7 +95,7 @@ def check_url(url: str, name: str) -> str:
 
 
 #: Settings whose whole value is a secret, and settings that are URLs that may carry one.
-_SECRET_FIELDS = {("rewards", "judge_api_key"), ("node", "vllm_api_key")}
+_SECRET_FIELDS = {("rewards", "judge_api_key"), ("node", "vllm_api_key"), ("gateway", "user_id_secret")}
 _URL_FIELDS = {("db", "url"), ("live", "redis_url"), ("store", "endpoint_url"), ("gateway", "upstream"),
                ("node", "vllm_url"), ("node", "url")}
 
@@ -246,6 +246,10 @@ class GatewaySettings(_Section):
     ownership_ttl_s: float = Field(7 * 86_400.0, gt=0)
     #: A session keeps its model version (sticky) for this long after its last request.
     session_ttl_s: float = Field(86_400.0, gt=0)
+    #: The key end users' ids (``user``, ``X-Flywheel-User``) are hashed with before anything stores
+    #: them (``flywheel/identity.py``; a secret: never shown). At least 32 characters; empty means a
+    #: secret made once in ``{data_dir}/user_id_secret``. Gateways on several machines share one.
+    user_id_secret: str = Field("", repr=False, pattern=r"^(.{32,})?$")
 
 
 class NodeSettings(_Section):

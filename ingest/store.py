@@ -58,6 +58,7 @@ def generation_columns(event: GenerationEvent) -> dict[str, Any]:
         "model_version": event.model_version,
         "node_id": event.node_id,
         "ts": event.ts,
+        "user_hash": event.user_hash,
     }
 
 

@@ -84,9 +84,13 @@ class Generation(Base):
     node_id: Mapped[str] = mapped_column(String(128))
     ts: Mapped[datetime]
     payload: Mapped[dict] = mapped_column(JSON)
+    #: The keyed hash of the end user the request named (``flywheel/identity.py``); None: none named.
+    user_hash: Mapped[str | None] = mapped_column(String(64))
 
     __table_args__ = (
         Index("ix_generations_session", "tenant", "session_id"),
+        # A user's generations (what erasing a user by id finds).
+        Index("ix_generations_user", "tenant", "user_hash"),
         # The rollout controller compares versions over a window: generations per version since a time.
         Index("ix_generations_version", "model_line", "model_version", "ts"),
     )

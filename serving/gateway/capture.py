@@ -12,6 +12,9 @@ Invariants:
 - A stream is captured whole or not at all: :class:`StreamAssembler` folds the upstream's chunks
   into the body a non-streaming call would have returned, and only a stream that reached its end
   yields its :class:`Served`; the events then have the same shape as a non-streaming call's.
+- The raw end-user id (``user``, ``flywheel.identity``) is in no event and never reaches the
+  upstream: the recorded request drops the field (:func:`recorded_request`), the event carries its
+  keyed hash in ``user_hash``, and the upstream is sent the hash as ``user``.
 - A request for ``n`` choices gets exactly ``n`` from the upstream (indexes ``0..n-1``, one prompt,
   one version) or is an upstream error; each choice becomes its own event (:func:`generation_events`,
   ids from :func:`generation_ids`), the request's choices one group.
@@ -178,10 +181,13 @@ def generation_events(
     served: list[Served],
     latency_ms: float,
     sampling_defaults: Mapping[str, Any],
+    user_hash: str | None = None,
 ) -> list[GenerationEvent]:
     """One event per choice (``served`` in index order). For ``n > 1`` the events share the
     request's id as ``group_id``, the prompt and one timestamp, and each carries the response with
-    its own choice only (``usage`` stays the request's)."""
+    its own choice only (``usage`` stays the request's). The request is recorded without its raw
+    ``user`` (:func:`recorded_request`); ``user_hash`` is the end user's keyed hash, if one was named."""
+    request_body = recorded_request(request_body)
     ids = generation_ids(request_id, len(served))
     grouped = len(served) > 1
     choices = {c.get("index", 0): c for c in response_body["choices"]} if grouped else {}
@@ -208,16 +214,28 @@ def generation_events(
             latency_ms=max(0.0, latency_ms),
             group_id=request_id if grouped else None,
             choice_index=one.index,
+            user_hash=user_hash,
         ))
     return events
 
 
-def upstream_request(body: dict[str, Any], default_model: str, kind: Kind = "chat") -> dict[str, Any]:
+def recorded_request(body: dict[str, Any]) -> dict[str, Any]:
+    """The client's request as it is recorded: everything but the raw end-user id (``user``),
+    which only its hash (``GenerationEvent.user_hash``) stands for."""
+    return {key: value for key, value in body.items() if key != "user"}
+
+
+def upstream_request(body: dict[str, Any], default_model: str, kind: Kind = "chat",
+                     user_hash: str | None = None) -> dict[str, Any]:
     """The client's body with what capture needs forced on: the sampled tokens' logprobs, prompt
     and completion token ids, token ids and logprobs even when reasoning is hidden from the client,
     and for a stream the final usage chunk. Nothing that shapes sampling is added: the engine
-    applies the client's knobs, else the model's defaults, and the event records which."""
-    out = dict(body)
+    applies the client's knobs, else the model's defaults, and the event records which. The end
+    user is named by ``user_hash`` (OpenAI's ``user`` asks for a stable id, not a person's name):
+    the raw ``user`` never leaves the gateway."""
+    out = recorded_request(body)
+    if user_hash is not None:
+        out["user"] = user_hash
     if out.get("model") is None:
         out["model"] = default_model
     if kind == "chat":

@@ -1,8 +1,9 @@
 """Serving ``POST /v1/chat/completions`` and ``POST /v1/completions``: pin the session to a
 version, send the call to a node that holds it, capture the answer, release it to the client.
 
-``CompletionServing(settings, metrics, capture, state, router, http)`` is built once at start-up
-with its clients (the capture spool, the live state, the version router, the upstream pool); the
+``CompletionServing(settings, metrics, capture, state, router, http, user_secret)`` is built once at
+start-up with its clients (the capture spool, the live state, the version router, the upstream pool)
+and the deployment's user-id secret (``flywheel.identity.load_secret``); the
 route authenticates and rate-limits, then calls it with the caller. It also owns :meth:`submit`,
 the one way events reach the capture (feedback is handed it too).
 
@@ -34,6 +35,10 @@ Invariants:
   and the captured event see exactly what a built-in node's answer gives. When such a node does not
   hold the version (no name for it, or vLLM's 404 for the model) the session moves on as after a
   409 ``version_unavailable``.
+- The end user a request names (OpenAI's ``user`` or the ``X-Flywheel-User`` header; both only if
+  equal, else a 400 naming ``user``: ``flywheel.identity.end_user``) is kept only as its keyed hash
+  (``flywheel.identity.user_hash``): the upstream gets the hash as ``user``, the event carries it as
+  ``user_hash`` and its recorded request has no ``user`` (``capture.recorded_request``).
 - Prompts and completions are never logged at INFO or above.
 """
 
@@ -52,7 +57,7 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import ValidationError
 
-from flywheel import jsonpolicy
+from flywheel import identity, jsonpolicy
 from flywheel.events import new_id
 from flywheel.settings import Settings
 from serving.errors import (
@@ -104,7 +109,7 @@ class Call:
     """One completion request on its way through the gateway."""
 
     kind: capture.Kind
-    body: dict[str, Any]  # the client's, recorded untouched
+    body: dict[str, Any]  # the client's, recorded as it came but for the raw ``user`` (capture.recorded_request)
     request: capture.Request
     principal: Principal
     session_id: str
@@ -115,6 +120,7 @@ class Call:
     generation_id: str = field(default_factory=new_id)
     started: float = field(default_factory=time.perf_counter)
     headers: dict[str, str] = field(default_factory=dict)  # for the client
+    user_hash: str | None = None  # the end user's keyed hash (flywheel.identity), if one was named
 
     @property
     def tenant(self) -> str:
@@ -156,8 +162,9 @@ class CompletionServing:
     """The work of the completion routes (module docstring)."""
 
     def __init__(self, settings: Settings, metrics: GatewayMetrics, capture: Capture, state: GatewayState,
-                 router: Router, http: Pool) -> None:
+                 router: Router, http: Pool, user_secret: str) -> None:
         self.settings = settings
+        self.user_secret = user_secret
         self.metrics = metrics
         self.capture = capture
         self.state = state
@@ -176,12 +183,13 @@ class CompletionServing:
         parse = parse_chat_request if kind == "chat" else parse_completion_request
         parsed = parse(body, max_n=self.settings.gateway.max_n)
         self.check_model(parsed.model)
+        user_hash = self.end_user_hash(principal.tenant, parsed.user, request.headers.get(identity.USER_HEADER))
         session_id = check_session_id(request.headers.get(SESSION_HEADER) or uuid.uuid4().hex)
         version = await self.pin(principal.tenant, session_id)
-        upstream_request = capture.upstream_request(body, self.settings.model.line, kind)
+        upstream_request = capture.upstream_request(body, self.settings.model.line, kind, user_hash)
         upstream_body = orjson.dumps(upstream_request)  # read_json_body kept every integer within 64 bits
-        call = Call(kind, body, parsed, principal, session_id, version, upstream_body, upstream_request,
-                    started=started, headers={SESSION_HEADER: session_id})
+        call = Call(kind, capture.recorded_request(body), parsed, principal, session_id, version, upstream_body,
+                    upstream_request, started=started, headers={SESSION_HEADER: session_id}, user_hash=user_hash)
         if parsed.stream:
             return await self.stream(call)
         return await self.complete_whole(call)
@@ -191,6 +199,15 @@ class CompletionServing:
         if model is not None and model != line:
             raise APIError(404, f"the model `{model}` does not exist; this gateway serves `{line}` (GET /v1/models)",
                            param="model", code="model_not_found")
+
+    def end_user_hash(self, tenant: str, body_user: str | None, header_user: str | None) -> str | None:
+        """The keyed hash of the end user the request names, or None; a 400 naming ``user`` when
+        its body field and header disagree (``flywheel.identity.end_user``)."""
+        try:
+            user = identity.end_user(body_user, header_user)
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="user", code="user_conflict") from None
+        return None if user is None else identity.user_hash(self.user_secret, tenant, user)
 
     # Sessions and upstreams --------------------------------------------------------------------
 
@@ -324,6 +341,7 @@ class CompletionServing:
                 request_id=call.generation_id, tenant=call.tenant, session_id=call.session_id,
                 model_line=self.settings.model.line, request_body=call.body, response_body=response_body,
                 served=served, latency_ms=upstream_s * 1000.0, sampling_defaults=dict(call.target.sampling_defaults),
+                user_hash=call.user_hash,
             )
         except ValidationError as exc:  # e.g. non-finite logprobs: never a partial or lossy event
             raise bad_upstream_response(exc, call.headers) from None

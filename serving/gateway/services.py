@@ -2,8 +2,9 @@
 
 :func:`open_services` opens, in order, the capture (write-ahead spool and its shipper to the bus),
 the database (API keys, ownership, the registry), the live state (sessions, rate limits, pins),
-the live heartbeats behind the version router, and the upstream connection pool; then builds each
-serving class once with those clients injected. It closes them in reverse order, also when start-up
+the live heartbeats behind the version router, and the upstream connection pool, and reads the
+user-id secret (``flywheel.identity.load_secret``: made on first start); then builds each serving
+class once with those clients injected. It closes them in reverse order, also when start-up
 fails half-way. The routers reach the result through :func:`services`.
 
 Invariants:
@@ -25,6 +26,7 @@ from fastapi import Request
 from sqlalchemy.orm import Session, sessionmaker
 
 from flywheel.db.session import make_session_factory, open_database
+from flywheel.identity import load_secret
 from flywheel.live import make_live
 from flywheel.settings import Settings
 from serving.gateway.auth import Access, KeyStore, Ownership
@@ -79,7 +81,8 @@ async def open_services(settings: Settings, metrics: GatewayMetrics,
         http = Pool(settings.gateway.upstream_timeout_s)
         stack.callback(http.close)
 
-        completions = CompletionServing(settings, metrics, capture, state, router, http)
+        user_secret = await asyncio.to_thread(load_secret, settings.gateway.user_id_secret, settings.data_path)
+        completions = CompletionServing(settings, metrics, capture, state, router, http, user_secret)
         feedback = FeedbackServing(settings, state, ownership, completions.submit, metrics.feedback.inc)
         yield Services(settings, metrics, capture, state, sessions, router, Access(settings.gateway, keys, state),
                        completions, feedback)
