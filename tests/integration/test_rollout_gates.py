@@ -69,6 +69,16 @@ def serve_sessions(sessions, version: int, n: int, solved_rate: float, seed: int
             add_session(db, version, 2, now, solved=rng.random() < solved_rate)
 
 
+def canary_run(registry, sessions, settings, stable_rate: float, canary_rate: float, n: int, seed: int) -> tuple:  # noqa: F811
+    """A candidate made canary, then ``n`` sessions on each arm solved at the given rates; (v, metrics)."""
+    metrics = settings.product_metrics()
+    v1 = publish(registry)
+    assert step(registry, sessions, settings.rollout, metrics=metrics).action == "canary"
+    serve_sessions(sessions, 0, n, stable_rate, seed=seed)
+    serve_sessions(sessions, v1, n, canary_rate, seed=seed + 1)
+    return v1, metrics
+
+
 def test_a_metric_is_observed_per_session_at_either_level(sessions) -> None:
     metrics = settings_with().product_metrics()
     now = datetime.now(UTC)
@@ -94,11 +104,8 @@ def test_a_metric_is_observed_per_session_at_either_level(sessions) -> None:
 def test_a_canary_that_wins_its_must_win_gate_is_promoted(registry, sessions) -> None:  # noqa: F811
     settings = settings_with(must_win=[{"metric": "solved", "min_effect": 0.05}],
                              must_not_lose=[{"metric": "kept", "tolerance": 0.1}])
-    v1 = publish(registry)
-    assert step(registry, sessions, settings.rollout, metrics=settings.product_metrics()).action == "canary"
-    serve_sessions(sessions, 0, 400, 0.4, seed=1)
-    serve_sessions(sessions, v1, 400, 0.7, seed=2)
-    d = step(registry, sessions, settings.rollout, metrics=settings.product_metrics())
+    v1, metrics = canary_run(registry, sessions, settings, 0.4, 0.7, 400, seed=1)
+    d = step(registry, sessions, settings.rollout, metrics=metrics)
     assert (d.action, d.version) == ("promote", v1), d.reason
     assert "evidence of a win" in d.reason and "solved must_win" in d.reason
     verdicts = {v["metric"]: v for v in d.figures["evidence"]["verdicts"]}
@@ -110,11 +117,7 @@ def test_a_canary_that_wins_its_must_win_gate_is_promoted(registry, sessions) ->
 
 def test_no_win_by_the_maximum_window_is_rolled_back_as_no_evidence(registry, sessions) -> None:  # noqa: F811
     settings = settings_with(must_win=[{"metric": "solved", "min_effect": 0.05}])
-    metrics = settings.product_metrics()
-    v1 = publish(registry)
-    step(registry, sessions, settings.rollout, metrics=metrics)
-    serve_sessions(sessions, 0, 200, 0.5, seed=3)
-    serve_sessions(sessions, v1, 200, 0.5, seed=4)
+    v1, metrics = canary_run(registry, sessions, settings, 0.5, 0.5, 200, seed=3)
     d = step(registry, sessions, settings.rollout, metrics=metrics)
     assert d.action == "wait" and "waiting" in d.reason, d.reason
     later = datetime.now(UTC) + timedelta(seconds=3601)
@@ -125,11 +128,7 @@ def test_no_win_by_the_maximum_window_is_rolled_back_as_no_evidence(registry, se
 
 def test_a_canary_that_loses_a_must_not_lose_gate_is_rolled_back_at_once(registry, sessions) -> None:  # noqa: F811
     settings = settings_with(must_not_lose=[{"metric": "solved", "tolerance": 0.02}], window_s=3600)
-    metrics = settings.product_metrics()
-    v1 = publish(registry)
-    step(registry, sessions, settings.rollout, metrics=metrics)
-    serve_sessions(sessions, 0, 400, 0.6, seed=5)
-    serve_sessions(sessions, v1, 400, 0.3, seed=6)
+    v1, metrics = canary_run(registry, sessions, settings, 0.6, 0.3, 400, seed=5)
     d = step(registry, sessions, settings.rollout, metrics=metrics)
     assert (d.action, d.version) == ("rollback", v1) and d.reason.startswith(f"canary v{v1} vs v0: worse"), d.reason
     assert statuses(registry)[v1] == "rolled_back"
@@ -137,11 +136,7 @@ def test_a_canary_that_loses_a_must_not_lose_gate_is_rolled_back_at_once(registr
 
 def test_each_look_continues_from_the_recorded_one_and_a_new_canary_run_starts_afresh(registry, sessions) -> None:  # noqa: F811
     settings = settings_with(must_win=[{"metric": "solved", "min_effect": 0.0, "mixing_sd": 0.1}], window_s=3600)
-    metrics = settings.product_metrics()
-    v1 = publish(registry)
-    step(registry, sessions, settings.rollout, metrics=metrics)
-    serve_sessions(sessions, 0, 300, 0.4, seed=7)
-    serve_sessions(sessions, v1, 300, 0.6, seed=8)
+    v1, metrics = canary_run(registry, sessions, settings, 0.4, 0.6, 300, seed=7)
     first = evaluate(registry, sessions, settings.rollout, metrics=metrics)
     won = first.figures["evidence"]["verdicts"][0]
     assert won["outcome"] == "win" and first.action == "wait", first.reason

@@ -68,8 +68,9 @@ class VersionEchoUpstream(CannedUpstream):
 
 
 @contextmanager
-def _upstream() -> Iterator[tuple[VersionEchoUpstream, str]]:
-    upstream, port = VersionEchoUpstream(), free_port()
+def running(upstream: Any) -> Iterator[tuple[Any, str]]:
+    """``upstream`` (a ``bench.upstream.CannedUpstream``) serving on a free port in a thread, and its URL."""
+    port = free_port()
     loop, started = asyncio.new_event_loop(), threading.Event()
     stop = asyncio.Event()
     thread = threading.Thread(target=loop.run_until_complete,
@@ -121,7 +122,7 @@ def env(request: pytest.FixtureRequest, tmp_path, caplog) -> Iterator[Env]:
     if live == "redis":
         live_settings |= {"redis_url": request.getfixturevalue("redis_url"),
                           "key_prefix": request.getfixturevalue("live_prefix")}
-    with _upstream() as (upstream, upstream_url):
+    with running(VersionEchoUpstream()) as (upstream, upstream_url):
         settings = load_settings(
             data_dir=str(tmp_path / "data"),
             bus={"kind": "local", "partitions": 2, "topic_prefix": "t."},

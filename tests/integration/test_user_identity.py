@@ -14,8 +14,6 @@ import json
 import logging
 import threading
 import uuid
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +29,8 @@ from flywheel.events import GenerationEvent
 from flywheel.settings import Settings, load_settings
 from ingest.worker import run as run_ingest
 from serving.gateway.app import create_app
-from testbed.procs import free_port
 from tests.fixtures.roles import RoleThread, drain_capture, served_app, wait_until
+from tests.integration.test_tenancy_attacks import running
 
 pytestmark = pytest.mark.integration
 
@@ -53,21 +51,6 @@ class RecordingUpstream(CannedUpstream):
         if method == "POST":
             self.bodies.append(body)
         await super().respond(method, path, body, writer)
-
-
-@contextmanager
-def _upstream() -> Iterator[tuple[RecordingUpstream, str]]:
-    upstream, port = RecordingUpstream(), free_port()
-    loop, started, stop = asyncio.new_event_loop(), threading.Event(), asyncio.Event()
-    thread = threading.Thread(target=loop.run_until_complete,
-                              args=(upstream.serve("127.0.0.1", port, started, stop),), daemon=True)
-    thread.start()
-    assert started.wait(10), "upstream did not start"
-    try:
-        yield upstream, f"http://127.0.0.1:{port}"
-    finally:
-        loop.call_soon_threadsafe(stop.set)
-        thread.join(5)
 
 
 def _settings(data: Path, db_url: str, upstream_url: str, **gateway: Any) -> Settings:
@@ -94,7 +77,7 @@ def db_url(request: pytest.FixtureRequest) -> str:
 def test_the_raw_user_id_is_stored_nowhere_and_its_hash_is_stable(tmp_path, db_url, caplog) -> None:
     caplog.set_level(logging.DEBUG)
     data = tmp_path / "data"
-    with _upstream() as (upstream, upstream_url):
+    with running(RecordingUpstream()) as (upstream, upstream_url):
         settings = _settings(data, db_url, upstream_url)
         stop = threading.Event()
         ingest = RoleThread("ingest", run_ingest, settings, stop)
@@ -183,7 +166,7 @@ def test_the_raw_user_id_is_stored_nowhere_and_its_hash_is_stable(tmp_path, db_u
     assert not [r.getMessage() for r in caplog.records if RAW in r.getMessage() or OTHER in r.getMessage()]
 
     # Stable across a restart (the secret file is read back); another deployment's secret, another hash.
-    with _upstream() as (upstream, upstream_url):
+    with running(RecordingUpstream()) as (upstream, upstream_url):
         for data_dir, setting, hashed in (
             (data, "", expected),
             (tmp_path / "other", "z" * 40, hmac.new(b"z" * 40, f"local\x00{RAW}".encode(), hashlib.sha256).hexdigest()),
