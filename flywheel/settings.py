@@ -350,7 +350,8 @@ class MetricsSettings(_Section):
 
 class RewardSettings(_Section):
     #: The reward spec (a TOML file, see rewards/spec.py); empty means the built-in default spec
-    #: (rewards/specs/default.toml). What rewards are worth lives in the spec, not here.
+    #: (rewards/specs/default.toml); a shipped template's name (``tab-completion``, ``coding-agent``,
+    #: ``support-agent``) means that template. What rewards are worth lives in the spec, not here.
     spec_path: str = ""
     #: Bearer token for the LLM judge's endpoint when the spec enables one (never in the spec file).
     #: A plain string like ``db.url``: ``flywheel up`` hands its children the effective settings.
