@@ -45,10 +45,12 @@ ROLES: dict[str, str] = {
 MODEL_ROLES = ("node", "trainer")
 
 #: command -> "module:function" taking (args, settings) and returning the exit status: a role's
-#: one-shot actions (``flywheel rollout ACTION``, ``flywheel rewards ACTION``) and the applications
+#: one-shot actions (``flywheel rollout ACTION``, ``flywheel rewards ACTION``), ``flywheel data
+#: ACTION`` (end users' data, flywheel/subjects.py) and the applications
 COMMANDS: dict[str, str] = {
     "rollout": "serving.rollout_cli:main",
     "rewards": "rewards.rescore:main",
+    "data": "flywheel.subjects:main",
     "demo": "demo.run:main",
     "chaos": "chaos.run:main",
 }
@@ -228,6 +230,9 @@ def build_parser() -> argparse.ArgumentParser:
     from flywheel.keys import add_keys_commands
 
     add_keys_commands(sub)
+    from flywheel.subjects import add_data_commands
+
+    add_data_commands(sub)
     return parser
 
 
