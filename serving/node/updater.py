@@ -12,8 +12,11 @@
 Invariants:
 - On any failure (missing blob, corrupt delta, hash mismatch, shape mismatch) the engine keeps
   serving what it had; the node's status becomes ``failed_update`` with the reason, and the poll
-  loop does not retry that version (an admin ``update_to`` retries it explicitly; a success
-  clears it).
+  loop does not retry that version while it keeps the status it had then (retrying a damaged
+  object every poll would only repeat the failure). It retries once the version's status changed
+  after the failure: a version rolled back for a failed load, repaired and cleared
+  (``flywheel rollout clear``) and then made canary or stable again loads without a node restart.
+  An admin ``update_to`` retries at once; a success clears the failure.
 - The node's row in ``nodes`` (live version, status, detail, last heartbeat) and its live-state
   heartbeat (also ``versions``: the versions held, ``url``: where the gateway reaches the node,
   and for an engine that serves each version under its own model name, a vLLM server in LoRA
@@ -79,7 +82,9 @@ class Updater:
         self.status = "serving"
         self.detail = ""
         self.updates = 0
-        self._failed: set[int] = set()  # versions the poll loop does not retry
+        #: Versions the poll loop does not retry, and how many status changes each had when it
+        #: failed (:meth:`_retry_due`: counted, not timed, so no clock is compared across machines).
+        self._failed: dict[int, int] = {}
         self._lock = threading.Lock()
         self._last_db_heartbeat = 0.0
         self._thread: threading.Thread | None = None
@@ -95,15 +100,28 @@ class Updater:
         current, _ = self.engine.current()
         if stable is None or stable.version == current:
             outcome = UpdateOutcome(True, False, current)
-        elif stable.version in self._failed:
+        elif stable.version in self._failed and not self._retry_due(stable.version):
             outcome = UpdateOutcome(False, False, current, self.detail)
         else:
             outcome = self.update_to(stable.version)
         canary = self.registry.latest("canary") if outcome.ok and self.engine.keep_versions > 1 else None
-        if canary is not None and canary.version not in self._failed and not self.engine.holds(canary.version):
+        if (canary is not None and not self.engine.holds(canary.version)
+                and (canary.version not in self._failed or self._retry_due(canary.version))):
             self.update_to(canary.version, live=False)
         self._report()
         return outcome
+
+    def _retry_due(self, version: int) -> bool:
+        """True when ``version``'s status changed after it failed here (module docstring): one
+        look at its audit log, only while a failed version is stable or canary."""
+        return len(self.registry.transitions(version)) > self._failed[version]
+
+    def _changes(self, version: int) -> int:
+        try:
+            return len(self.registry.transitions(version))
+        except Exception:  # the registry is unreachable too (likely why the load failed): retry next poll
+            log.warning("cannot read the status changes of version %s", version, exc_info=True)
+            return 0
 
     def update_to(self, version: int, *, live: bool = True) -> UpdateOutcome:
         """Make ``version`` live (``live=False``: only hold it), loading it unless the engine holds
@@ -111,11 +129,11 @@ class Updater:
         with self._lock:
             current, _ = self.engine.current()
             if version == current or (not live and self.engine.holds(version)):
-                self._failed.discard(version)
+                self._failed.pop(version, None)
                 self._set("serving", "")
                 return UpdateOutcome(True, False, current)
             if live and self.engine.activate(version):
-                self._failed.discard(version)
+                self._failed.pop(version, None)
                 self.updates += 1
                 self._set("serving", f"updated {current} -> {version} (already held)")
                 return UpdateOutcome(True, True, version, self.detail)
@@ -129,10 +147,10 @@ class Updater:
             except Exception as exc:  # keep serving what we have; report why
                 reason = f"version {version}: {type(exc).__name__}: {exc}"
                 log.error("weight update failed, still serving version %s: %s", current, reason)
-                self._failed.add(version)
+                self._failed[version] = self._changes(version)
                 self._set("failed_update", reason)
                 return UpdateOutcome(False, False, current, reason)
-            self._failed.discard(version)
+            self._failed.pop(version, None)
             took = time.perf_counter() - started
             if not live:
                 self._set("serving", f"holding version {version} beside {current} (loaded in {took:.2f}s)")

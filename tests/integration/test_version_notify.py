@@ -91,3 +91,26 @@ def test_with_redis_down_the_node_still_follows_at_its_poll(tiny_model_dir: Path
             wait_until("the node on v1", lambda: engine.current()[0] == v1.version, timeout_s=10)
         finally:
             stop_listening()
+
+
+def test_a_version_a_node_failed_to_load_is_retried_once_it_is_repaired_cleared_and_promoted_again(
+        tiny_model_dir: Path, tmp_path: Path) -> None:
+    from serving.rollout_actions import manual_clear
+
+    settings = load_settings(data_dir=str(tmp_path), node={"poll_s": 0.2})
+    with node(tiny_model_dir, tmp_path, settings, None) as (engine, updater, (sessions, store)):
+        registry = Registry(sessions, store, settings.model.line)
+        state0 = engine.state()
+        v1 = registry.publish(train_step(random.Random(3), state0, 0.02), parent=0, parent_state=state0)
+        good = store.get(v1.store_key)
+        store.put(v1.store_key, good[: len(good) // 2])  # a damaged object
+        registry.set_status(v1.version, "stable", reason="test")
+        wait_until("the load failing", lambda: updater.status == "failed_update", timeout_s=10)
+        time.sleep(1.0)  # five polls: the damaged version is not retried over and over
+        assert engine.current()[0] == 0 and updater.status == "failed_update"
+        registry.set_status(v1.version, "rolled_back", reason="test: no node can load it")
+        store.put(v1.store_key, good)  # repaired
+        manual_clear(registry, v1.version, "test: object restored")
+        registry.set_status(v1.version, "stable", reason="test: promoted again")
+        wait_until("the node on v1", lambda: engine.current()[0] == v1.version, timeout_s=10)
+        assert updater.status == "serving"
