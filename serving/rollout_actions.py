@@ -53,13 +53,17 @@ def _refuse_pinned(pin: PinInfo, action: str, forced: str = "and moves the pin")
 def manual_promote(registry: Any, version: int, reason: str = "", *, force: bool = False,
                    by: str = "operator") -> list[int]:
     """Make ``version`` stable (audited); returns the versions whose status changed. On a pinned
-    line refused (:class:`Pinned`) unless ``force``, which moves the pin to ``version``."""
+    line refused (:class:`Pinned`) unless ``force``, which moves the pin to ``version``. A
+    ``rolled_back`` version (perhaps one a failed load implicated) is first re-verified as
+    :func:`manual_clear` does (:func:`reverify`): a promotion never skips the check a clear makes."""
     info = registry.get(version)
     if info.status == "collected":
         raise RolloutError(f"v{version} was garbage-collected; its weights are gone")
     if info.status == "stable":
         raise RolloutError(f"v{version} is already stable")
     note = f": {reason}" if reason else ""
+    if info.status == "rolled_back":
+        note = f"; {reverify(registry, info)}{note}"
     pin = registry.pinned()
     if pin is not None:
         if not force:
@@ -131,6 +135,23 @@ def manual_clear(registry: Any, version: int, reason: str = "", *, force: bool =
     pin = registry.pinned()
     if pin is not None and not force:
         raise _refuse_pinned(pin, "clear", "(the pin stays)")
+    verified = reverify(registry, info)
+    note = f": {reason}" if reason else ""
+    why = f"cleared by {by}: {verified}; was rolled_back{note}"
+    try:
+        registry.set_status(version, "candidate", reason=why, expect="rolled_back", override_pin=force)
+    except LinePinned as exc:  # pinned since we looked
+        raise _refuse_pinned(exc.pin, "clear", "(the pin stays)") from None
+    except StatusChanged as exc:
+        raise RolloutError(f"v{version} changed meanwhile: {exc}") from None
+    return [version]
+
+
+def reverify(registry: Any, info: Any) -> str:
+    """Rebuild a rolled-back version from its full anchor with every hash on its chain checked
+    (:meth:`Registry.load`), and its result against its row; what was checked, for the audit, or
+    :class:`VerificationFailed` saying why it stays ``rolled_back``."""
+    version = info.version
     chain = " -> ".join(f"v{v.version}" + (" (full)" if v.kind == "full" else "")
                         for v in chain_of(registry.versions(), version))
     try:
@@ -139,16 +160,7 @@ def manual_clear(registry: Any, version: int, reason: str = "", *, force: bool =
         raise VerificationFailed(f"v{version} stays rolled_back: re-verification of {chain} failed: {exc}") from None
     if got != info.sha256:  # pragma: no cover - Registry.load's own invariant
         raise VerificationFailed(f"v{version} stays rolled_back: it rebuilds to {got[:12]}, expected {info.sha256[:12]}")
-    note = f": {reason}" if reason else ""
-    why = (f"cleared by {by}: re-verified end to end ({chain}, every hash checked, sha256 {got[:12]}); "
-           f"was rolled_back{note}")
-    try:
-        registry.set_status(version, "candidate", reason=why, expect="rolled_back", override_pin=force)
-    except LinePinned as exc:  # pinned since we looked
-        raise _refuse_pinned(exc.pin, "clear", "(the pin stays)") from None
-    except StatusChanged as exc:
-        raise RolloutError(f"v{version} changed meanwhile: {exc}") from None
-    return [version]
+    return f"re-verified end to end ({chain}, every hash checked, sha256 {got[:12]})"
 
 
 def _pin(registry: Any, version: int, by: str, reason: str) -> tuple[PinInfo, list[int]]:

@@ -518,6 +518,22 @@ def test_a_canary_no_node_can_load_takes_the_candidates_on_its_chain_with_it_unt
     assert cleared["reason"].endswith(": object repaired")
 
 
+def test_promoting_a_rolled_back_version_re_verifies_it_as_a_clear_does(registry, sessions):
+    v1 = publish(registry)
+    registry.set_status(v1, "canary", reason="test")
+    registry.set_status(v1, "rolled_back", reason="test: implicated in a failed load")
+    original = corrupt(registry, v1)
+    with pytest.raises(VerificationFailed, match=f"v{v1} stays rolled_back: re-verification of v0 \\(full\\) -> v{v1}"):
+        manual_promote(registry, v1, "looks fine to me")
+    assert statuses(registry) == {0: "stable", v1: "rolled_back"}
+    repair(registry, v1, original)
+    assert manual_promote(registry, v1, "object repaired") == [v1]
+    assert statuses(registry) == {0: "retired", v1: "stable"}
+    reason = registry.transitions(v1)[-1]["reason"]
+    assert reason.startswith(f"manual promote (was rolled_back); re-verified end to end (v0 (full) -> v{v1}, every "
+                             "hash checked") and reason.endswith(": object repaired"), reason
+
+
 def test_a_canary_that_served_nothing_while_a_node_failed_to_load_it_implicates_its_chain(registry, sessions):
     v1, v2 = publish(registry), publish(registry)
     assert step(registry, sessions, POLICY).version == v2
