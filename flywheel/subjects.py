@@ -1,4 +1,4 @@
-"""A data subject's rows: found by tenant and user or session, and exported as JSON Lines (``flywheel data export``).
+"""A data subject's rows: found by tenant and user or session, and exported as JSON Lines.
 
 A data subject is one end user of one tenant, named by the id the client gave the gateway
 (``flywheel.identity``), or one session of one tenant. Their rows, by kind (each line's ``type``):
@@ -28,19 +28,13 @@ Invariants:
 - Rows are read in key order, :data:`BATCH` at a time, each batch in its own short transaction:
   memory stays bounded whatever the subject's size, and on SQLite (where a transaction takes the
   write lock) the gateway's writers wait for one batch at most, never for the whole export.
-- ``--out PATH`` is written mode ``0600`` under a temporary name beside PATH and renamed into place
-  only when complete: a failed export leaves no partial file where a whole one is expected.
-- Exit status: 0 when the export is complete (also with no rows: the summary says 0 rows), 1 when
-  the database, the secret or the output file fails, 2 for bad arguments (a bad tenant, an empty
-  user, neither or both of ``--user`` and ``--session``).
+
+The command line (``flywheel data export``, its ``--out`` file and exit codes) is flywheel/data_cli.py;
+the erasure that deletes these rows is flywheel/erasure.py.
 """
 
 from __future__ import annotations
 
-import argparse
-import os
-import secrets
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -235,101 +229,3 @@ def summary(subject: Subject, counts: dict[str, int], where: str, shared: int) -
                  "the feedback on them are exported, the sessions' trajectories, scores and session feedback withheld")
     return text
 
-
-# Command line ----------------------------------------------------------------------------------
-
-
-def add_data_commands(subparsers: Any) -> None:
-    data = subparsers.add_parser("data", help="end users' data: export one user's or one session's rows")
-    sub = data.add_subparsers(dest="action", required=True)
-    exp = sub.add_parser("export", help="write an end user's (or a session's) rows as JSON Lines: stdout, or --out")
-    exp.add_argument("--tenant", required=True, type=_tenant_arg, help="the tenant the user or session belongs to")
-    who = exp.add_mutually_exclusive_group(required=True)
-    who.add_argument("--user", type=_user_arg,
-                     help="the end user's id exactly as the client sent it (OpenAI's user, X-Flywheel-User); "
-                          "hashed with the gateway's secret, never written")
-    who.add_argument("--session", type=_session_arg, help="a session id: its rows, whoever's they are")
-    exp.add_argument("--out", help="write the rows here (mode 0600) instead of stdout; '-' is stdout")
-
-
-def _tenant_arg(text: str) -> str:
-    try:
-        return check_tenant(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def _user_arg(text: str) -> str:
-    if not text:
-        raise argparse.ArgumentTypeError("an empty user id names no one")
-    return text
-
-
-def _session_arg(text: str) -> str:
-    if not text or len(text) > MAX_SESSION_CHARS or any(ord(c) < 32 or ord(c) == 127 for c in text):
-        raise argparse.ArgumentTypeError(f"a session id is 1 to {MAX_SESSION_CHARS} characters, no control characters")
-    return text
-
-
-def main(args: argparse.Namespace, settings: Any) -> int:
-    """``flywheel data export``: the exit status (module docstring)."""
-    if args.action != "export":
-        raise AssertionError(f"unhandled data command {args.action}")
-    user, session_id = getattr(args, "user", None), getattr(args, "session", None)
-    if (user is None) == (session_id is None) or user == "" or session_id == "":
-        print("flywheel data export: name the subject with exactly one of --user and --session", file=sys.stderr)
-        return 2
-    try:
-        tenant = check_tenant(args.tenant)
-    except ValueError as exc:
-        print(f"flywheel data export: {exc}", file=sys.stderr)
-        return 2
-    if user is not None:
-        try:
-            subject = user_subject(deployment_secret(settings.gateway.user_id_secret, settings.data_path), tenant, user)
-        except SecretError as exc:
-            print(f"flywheel data export: {exc}", file=sys.stderr)
-            return 1
-    else:
-        subject = Subject(tenant, session_id=session_id)
-    from flywheel.db.session import make_session_factory, open_database
-
-    engine = open_database(settings.database_url, settings.db.wait_s)
-    try:
-        sessions = make_session_factory(engine)
-        path = None if args.out in (None, "-") else Path(args.out)
-        if path is None:
-            sys.stdout.flush()
-            try:
-                counts = export(sessions, subject, sys.stdout.buffer)
-                sys.stdout.buffer.flush()
-            except BrokenPipeError:  # the reader went away (`| head`): an incomplete export, no traceback
-                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing to flush at exit
-                print("flywheel data export: stdout closed before the export was complete", file=sys.stderr)
-                return 1
-        else:
-            try:
-                counts = _export_file(sessions, subject, path)
-            except OSError as exc:
-                print(f"flywheel data export: cannot write {path}: {exc.strerror or exc}", file=sys.stderr)
-                return 1
-        print(summary(subject, counts, "stdout" if path is None else str(path), count_shared(sessions, subject)),
-              file=sys.stderr)
-        return 0
-    finally:
-        engine.dispose()
-
-
-def _export_file(sessions: sessionmaker[Session], subject: Subject, path: Path) -> dict[str, int]:
-    """Export to ``path``: mode 0600, written whole under a temporary name, then renamed into place."""
-    temp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
-    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        with os.fdopen(fd, "wb") as out:
-            counts = export(sessions, subject, out)
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(temp, path)
-        return counts
-    finally:
-        temp.unlink(missing_ok=True)

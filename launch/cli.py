@@ -46,11 +46,11 @@ MODEL_ROLES = ("node", "trainer")
 
 #: command -> "module:function" taking (args, settings) and returning the exit status: a role's
 #: one-shot actions (``flywheel rollout ACTION``, ``flywheel rewards ACTION``), ``flywheel data
-#: ACTION`` (end users' data, flywheel/subjects.py) and the applications
+#: ACTION`` (end users' data, flywheel/data_cli.py) and the applications
 COMMANDS: dict[str, str] = {
     "rollout": "serving.rollout_cli:main",
     "rewards": "rewards.rescore:main",
-    "data": "flywheel.subjects:main",
+    "data": "flywheel.data_cli:main",
     "demo": "demo.run:main",
     "chaos": "chaos.run:main",
 }
@@ -230,7 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
     from flywheel.keys import add_keys_commands
 
     add_keys_commands(sub)
-    from flywheel.subjects import add_data_commands
+    from flywheel.data_cli import add_data_commands
 
     add_data_commands(sub)
     return parser

@@ -319,3 +319,27 @@ class RolloutDecisionRow(Base):
     reason: Mapped[str] = mapped_column(Text, default="")
     figures: Mapped[dict] = mapped_column(JSON, default=dict)
     decided_at: Mapped[datetime]
+
+
+class Erasure(Base):
+    """One erasure request (``flywheel/erasure.py``): the subject's tombstone from the moment it is
+    written, the state of the deletion (it resumes after a crash), and its audit."""
+
+    __tablename__ = "erasures"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    tenant: Mapped[str] = mapped_column(String(128))
+    #: Exactly one of the two names the subject: an end user's keyed hash, or a session.
+    user_hash: Mapped[str | None] = mapped_column(String(64))
+    session_id: Mapped[str | None] = mapped_column(String(256))
+    requested_by: Mapped[str] = mapped_column(String(128))
+    requested_at: Mapped[datetime]
+    #: pending (rows still to delete) | done
+    state: Mapped[str] = mapped_column(String(16), default="pending")
+    completed_at: Mapped[datetime | None]
+    #: Rows deleted per kind, and the versions the subject's trajectories had been trained into.
+    counts: Mapped[dict] = mapped_column(JSON, default=dict)
+    trained_into: Mapped[list] = mapped_column(JSON, default=list)
+
+    __table_args__ = (Index("ix_erasures_subject", "tenant", "user_hash", "session_id"),
+                      Index("ix_erasures_state", "state"))

@@ -14,10 +14,11 @@ from typing import Any
 
 import pytest
 
+from flywheel.data_cli import main
 from flywheel.db.models import Feedback, Generation, ScoredTrajectoryRow, SessionState, TrainedTrajectory, Trajectory
 from flywheel.identity import SECRET_FILE, load_secret, user_hash
 from flywheel.settings import load_settings
-from flywheel.subjects import KINDS, Subject, export, main, user_subject
+from flywheel.subjects import KINDS, Subject, export, user_subject
 from launch.cli import build_parser
 from launch.cli import main as cli_main
 

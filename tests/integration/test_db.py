@@ -44,6 +44,7 @@ TABLES = {
     "reward_version_stats",
     "trained_trajectories",
     "rollout_decisions",
+    "erasures",
 }
 
 
