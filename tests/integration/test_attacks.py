@@ -55,7 +55,7 @@ from testbed.postgres import fresh_database
 from testbed.procs import free_port
 from tests.fixtures.roles import RoleThread, drain_capture, raw_exchange, served_app, wait_until
 from tests.integration.test_store_s3 import BUCKET, s3, s3_endpoint  # noqa: F401  (moto fixtures)
-from tests.integration.test_tenancy_attacks import VersionEchoUpstream, _upstream
+from tests.integration.test_tenancy_attacks import VersionEchoUpstream, running
 
 pytestmark = pytest.mark.integration
 
@@ -139,7 +139,7 @@ def stack(module_db: str, redis_url: str, tmp_path_factory: pytest.TempPathFacto
 
     root = tmp_path_factory.mktemp("attacks")
     prefix = f"flywheel_t_{uuid.uuid4().hex[:16]}:"
-    with _upstream() as (upstream, upstream_url):
+    with running(VersionEchoUpstream()) as (upstream, upstream_url):
         port = free_port()
         settings = load_settings(
             data_dir=str(root / "data"),
