@@ -49,8 +49,14 @@ class _Event(BaseModel):
     tenant: Ident = Field(max_length=128)
     session_id: Ident = Field(max_length=256)
 
+    #: Fields added within version 1: left out on the wire while they hold their default, so
+    #: consumers that predate them still read those events (upgrade consumers before producers).
+    wire_optional: ClassVar[tuple[str, ...]] = ()
+
     def to_bytes(self) -> bytes:
-        return self.model_dump_json().encode()
+        fields = type(self).model_fields
+        omit = {name for name in self.wire_optional if getattr(self, name) == fields[name].default}
+        return self.model_dump_json(exclude=omit or None).encode()
 
     @classmethod
     def from_bytes(cls, raw: bytes):
@@ -60,6 +66,9 @@ class _Event(BaseModel):
         dead-letters the record."""
         return cls.model_validate(jsonpolicy.loads(raw))
 
+
+#: What an event may be used for (``flywheel.consent``; data of use ``none`` is never an event).
+TrainUse = Literal["train", "store_only"]
 
 #: Logit bias: token id (as a JSON object key) -> bias in [-100, 100].
 LogitBias = dict[Annotated[str, StringConstraints(pattern=r"^[0-9]{1,10}$")], Annotated[float, Field(ge=-100, le=100)]]
@@ -91,6 +100,7 @@ class GenerationEvent(_Event):
     """One served completion, with everything needed to train on it."""
 
     topic: ClassVar[str] = "generations"
+    wire_optional: ClassVar[tuple[str, ...]] = ("user_hash", "data_use")
 
     generation_id: Ident = Field(max_length=128)
     model_line: Ident
@@ -115,9 +125,10 @@ class GenerationEvent(_Event):
     #: (Added within version 1: an event without an end user leaves it out on the wire, so consumers
     #: that predate it still read those; upgrade consumers before gateways that send it.)
     user_hash: str | None = Field(None, pattern=HASH_PATTERN)
-
-    def to_bytes(self) -> bytes:
-        return self.model_dump_json(exclude={"user_hash"} if self.user_hash is None else None).encode()
+    #: What the tenant and the request let flywheel do with it (``flywheel.consent``): ``store_only``
+    #: is stored and scored, never trained on (``none`` is never captured at all). Added within
+    #: version 1, left out on the wire at its default, like ``user_hash``.
+    data_use: TrainUse = "train"
 
     @model_validator(mode="after")
     def _aligned(self) -> GenerationEvent:
@@ -222,6 +233,7 @@ class TrajectoryEvent(_Event):
     """A closed multi-turn session, ready for scoring."""
 
     topic: ClassVar[str] = "trajectories"
+    wire_optional: ClassVar[tuple[str, ...]] = ("data_use",)
 
     trajectory_id: str
     #: Increases each time late feedback re-opens and re-emits the trajectory.
@@ -234,12 +246,16 @@ class TrajectoryEvent(_Event):
     closed_reason: Literal["outcome", "inactivity", "late_feedback"]
     #: The task prompt (first user message) shared by sessions that may be grouped for advantages.
     prompt_key: str | None = None
+    #: ``store_only`` when any generation of the session was (``GenerationEvent.data_use``): scored,
+    #: never trained on. Left out on the wire at its default.
+    data_use: TrainUse = "train"
 
 
 class ScoredTrajectory(_Event):
     """A trajectory with rewards: what the trainer consumes."""
 
     topic: ClassVar[str] = "scored"
+    wire_optional: ClassVar[tuple[str, ...]] = ("data_use",)
 
     trajectory_id: str
     revision: int = Field(0, ge=0)
@@ -257,6 +273,9 @@ class ScoredTrajectory(_Event):
     turn_advantages: list[float] | None = None
     #: In the held-out slice: scored and stored as the promotion gate's evaluation set, never trained on.
     held_out: bool = False
+    #: The trajectory's ``data_use``: ``store_only`` is scored and stored for metrics and gates, never
+    #: trained on (the rewards stage does not produce it; a trainer drops it). Left out at its default.
+    data_use: TrainUse = "train"
 
     @model_validator(mode="after")
     def _advantages_aligned(self) -> ScoredTrajectory:

@@ -31,6 +31,8 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
+from flywheel.consent import TENANT_NAME
+
 if TYPE_CHECKING:  # the parser is built on every CLI call: SQLAlchemy is imported only when used
     from sqlalchemy.orm import Session, sessionmaker
 
@@ -41,7 +43,7 @@ KEY_ID_HEX = 12
 SECRET_HEX = 64
 ROLES = ("tenant", "admin")
 _KEY_RE = re.compile(rf"{KEY_PREFIX}([0-9a-f]{{{KEY_ID_HEX}}})_([0-9a-f]{{{SECRET_HEX}}})")
-_TENANT_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@-]{0,127}")
+_TENANT_RE = re.compile(TENANT_NAME)  # one grammar for keys and tenants' settings (flywheel.consent)
 
 
 # Format ----------------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ from urllib.parse import unquote
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from flywheel.consent import TenantPolicy, check_tenants
 from flywheel.metrics import Declarations, Metrics, UndeclaredCustom
 from flywheel.promotion import MustNotLose, MustWin, check_gates
 from flywheel.release_windows import parse_windows, time_zone
@@ -567,6 +568,8 @@ class Settings(BaseSettings):
     rewards: RewardSettings = RewardSettings()
     trainer: TrainerSettings = TrainerSettings()
     rollout: RolloutSettings = RolloutSettings()
+    #: Each tenant's data-use policy, ``"*"`` for those not listed (flywheel/consent.py).
+    tenants: dict[str, TenantPolicy] = {}
 
     @classmethod
     def settings_customise_sources(
@@ -585,6 +588,7 @@ class Settings(BaseSettings):
         if self.bus.heartbeat_interval_ms * 3 > self.bus.session_timeout_ms:
             raise ValueError("bus.heartbeat_interval_ms must be at most a third of bus.session_timeout_ms")
         check_gates(self.rollout.must_win, self.rollout.must_not_lose, self.product_metrics())
+        check_tenants(self.tenants)
         return self
 
     def product_metrics(self) -> Metrics:

@@ -22,6 +22,9 @@ sends a prompt that starts a new segment of its own.
 Each turn records ``tokens[start:end] == C`` in its segment, with the version that served it and
 its generation's ``group_id`` and ``choice_index``.
 
+Consent (``flywheel.consent``): a trajectory is ``data_use = "store_only"`` when any of its
+generations is, so a session that was not wholly for training is scored but never trained on.
+
 Invariants: mask is 1 exactly on completion tokens; ``logprobs`` is 0.0 wherever mask is 0; turns
 appear across segments in served order, so ``[t for s in segments for t in s.turns]`` lines up with
 ``generation_ids``.
@@ -144,4 +147,5 @@ def assemble(
         feedback=ordered_feedback,
         closed_reason=closed_reason,
         prompt_key=prompt_key_of(ordered[0].request),
+        data_use="train" if all(gen.data_use == "train" for gen in ordered) else "store_only",
     )

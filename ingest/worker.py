@@ -292,7 +292,7 @@ class Ingestor:
             self.counters[f"closed_{reason}"] += 1
             log.debug("closed session %s/%s (%s): revision %d, %d turns, %d feedback",
                       key[0], key[1], reason, revision, len(traj.generation_ids), len(traj.feedback))
-        encoded = [(traj, traj.model_dump_json()) for traj in closed]
+        encoded = [(traj, traj.to_bytes().decode()) for traj in closed]
         self._encoded = {traj.event_id: (traj, text.encode()) for traj, text in encoded}
         store.insert_trajectories(db, encoded)
         store.mark_feedback_joined(db, [(t.tenant, t.session_id) for t in closed])

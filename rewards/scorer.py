@@ -139,6 +139,7 @@ class Scorer:
             prompt_key=traj.prompt_key,
             turn_advantages=advantages,
             held_out=held_out,
+            data_use=traj.data_use,
         )
 
     def held_out(self, traj: TrajectoryEvent) -> bool:

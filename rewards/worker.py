@@ -8,16 +8,18 @@ letter), then in ONE database
 transaction: find the batch's rows already scored (a replay), compute advantages for the others
 (``rewards.normalise``; held-out ones get none), insert them, move the per-version stats by what
 was really inserted and re-evaluate the anomaly flags; commit. Then produce every non-held-out
-scored trajectory, flush, and only then commit the offsets. A batch the database refuses (or that
-cannot be made into scored rows) is stored again one trajectory per transaction, the normaliser
-restored from the database first, and only what is still refused is dead-lettered: one bad record
-never stops the stream, and never crash-loops the worker.
+scored trajectory that is for training, flush, and only then commit the offsets. A batch the
+database refuses (or that cannot be made into scored rows) is stored again one trajectory per
+transaction, the normaliser restored from the database first, and only what is still refused is
+dead-lettered: one bad record never stops the stream, and never crash-loops the worker.
 
 - A scored event's ``event_id`` is derived from ``(trajectory_id, revision, spec_version)`` and a
   replayed row is produced from its stored payload, so a crash anywhere replays the batch into the
   same rows (no-ops) and the same events, byte for byte (duplicates every consumer drops):
   at-least-once on the bus, exactly-once in the database.
-- Held-out trajectories (``rewards.guards.is_held_out``) are scored and stored, never produced.
+- Held-out trajectories (``rewards.guards.is_held_out``) are scored and stored, never produced; so
+  are those not for training (``data_use = "store_only"``, ``flywheel.consent``): they count in the
+  version's statistics, the metrics and the gates like any other, and never reach the trainer.
 - The normalisation statistics are rebuilt from the database at start (``rewards.normalise``).
 - A database outage (``flywheel.db.session.is_db_outage``) does not end the process: the batch that
   met it is abandoned, the normaliser dropped (it may have observed rewards that were never
@@ -128,7 +130,7 @@ def process(
                              counters, log)
                 _restore(sessions, scorer.spec, normaliser, restore_rows)
     for s, text in out:  # re-produced even when not new: the previous attempt may have died before its flush
-        if not s.held_out:
+        if not s.held_out and s.data_use == "train":
             producer.send(topic, s.session_id, text.encode() if text is not None else s.to_bytes())
     producer.flush()
 
@@ -151,7 +153,7 @@ def _store(batch: dict[str, tuple[TrajectoryEvent, RewardOutput, Record]], sessi
             advantages = None if held_out else normaliser.advantages(
                 traj.tenant, traj.model_line, traj.prompt_key, rewards.turn_rewards, credit.turn_groups(traj))
             fresh.append(scorer.scored(traj, rewards, advantages=advantages, held_out=held_out))
-        encoded = {s.event_id: s.model_dump_json() for s in fresh}  # stored and produced from one encoding
+        encoded = {s.event_id: s.to_bytes().decode() for s in fresh}  # stored and produced from one encoding
         inserted = store.insert_scored(db, fresh, encoded)
         new = [s for s in fresh if s.event_id in inserted]
         store.apply_stats(db, spec, store.stats_deltas(db, spec.version, new))
@@ -160,6 +162,7 @@ def _store(batch: dict[str, tuple[TrajectoryEvent, RewardOutput, Record]], sessi
         out += [(s, encoded[s.event_id]) for s in new]
     counters["scored"] += len(new)
     counters["held_out"] += sum(s.held_out for s in new)
+    counters["not_for_training"] += sum(s.data_use != "train" for s in new)
     counters["duplicates"] += len(batch) - len(new)
     return out
 

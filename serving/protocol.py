@@ -26,7 +26,7 @@ from fastapi import Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.requests import ClientDisconnect
 
-from flywheel import jsonpolicy
+from flywheel import consent, jsonpolicy
 from flywheel.events import Ident
 from serving.errors import APIError, from_pydantic
 
@@ -305,3 +305,12 @@ def check_session_id(value: str) -> str:
     if not _PRINTABLE.match(value):
         raise APIError(400, "session id must be printable (no control characters)", param="session_id")
     return value
+
+
+def check_data_use(policy: consent.TenantPolicy, header: str | None) -> consent.DataUse:
+    """The tightest of the tenant's ``policy`` and the request's ``X-Flywheel-Data`` header (a
+    looser header is not applied), or a 400 naming the header for a value it does not know."""
+    try:
+        return consent.request_use(policy, header)
+    except ValueError as exc:
+        raise APIError(400, str(exc), param=consent.HEADER, code="invalid_data_use") from None

@@ -4,7 +4,10 @@
   is the oldest version that served any of its turns; a sample more than ``max_staleness``
   versions behind the version being trained is dropped, at admission and again when a batch is
   taken (the trained version moves on while samples wait), and every drop is counted by reason
-  (``stale``, ``duplicate``, ``empty``, ``superseded``, ``already_trained``). A redelivered event
+  (``stale``, ``duplicate``, ``empty``, ``superseded``, ``already_trained``, ``not_for_training``).
+  A sample whose ``data_use`` is not ``train`` (``flywheel.consent``: the tenant or the request
+  said ``store_only``) never enters a batch: the rewards stage does not produce such samples, and
+  one that reaches the trainer anyway is dropped at admission. A redelivered event
   (same ``event_id``) is dropped as a duplicate within a bounded memory of recent ids. A trajectory
   is trained at most once: a newer revision (late feedback re-emits the whole session) replaces a
   queued older one, and a revision arriving after its trajectory was trained is dropped.
@@ -74,7 +77,9 @@ class SampleBuffer:
         version = behaviour_version(sample)
         reason: str | None = None
         queued = self._queued.get(sample.trajectory_id)
-        if sample.event_id in self._seen:
+        if sample.data_use != "train":
+            reason = "not_for_training"
+        elif sample.event_id in self._seen:
             reason = "duplicate"
         elif sample.trajectory_id in self._trained:
             reason = "already_trained"

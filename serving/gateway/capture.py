@@ -38,6 +38,7 @@ from flywheel.events import (
     FeedbackEvent,
     GenerationEvent,
     SamplingParams,
+    TrainUse,
     feedback_event_id,
     utcnow,
 )
@@ -182,11 +183,13 @@ def generation_events(
     latency_ms: float,
     sampling_defaults: Mapping[str, Any],
     user_hash: str | None = None,
+    data_use: TrainUse = "train",
 ) -> list[GenerationEvent]:
     """One event per choice (``served`` in index order). For ``n > 1`` the events share the
     request's id as ``group_id``, the prompt and one timestamp, and each carries the response with
     its own choice only (``usage`` stays the request's). The request is recorded without its raw
-    ``user`` (:func:`recorded_request`); ``user_hash`` is the end user's keyed hash, if one was named."""
+    ``user`` (:func:`recorded_request`); ``user_hash`` is the end user's keyed hash, if one was named;
+    ``data_use`` what the tenant and the request allow (``flywheel.consent``; ``none`` is never recorded)."""
     request_body = recorded_request(request_body)
     ids = generation_ids(request_id, len(served))
     grouped = len(served) > 1
@@ -215,6 +218,7 @@ def generation_events(
             group_id=request_id if grouped else None,
             choice_index=one.index,
             user_hash=user_hash,
+            data_use=data_use,
         ))
     return events
 

@@ -39,6 +39,14 @@ Invariants:
   equal, else a 400 naming ``user``: ``flywheel.identity.end_user``) is kept only as its keyed hash
   (``flywheel.identity.user_hash``): the upstream gets the hash as ``user``, the event carries it as
   ``user_hash`` and its recorded request has no ``user`` (``capture.recorded_request``).
+- Consent (``flywheel.consent``): the request's data use is the tightest of its tenant's policy
+  (``[tenants.<name>]``) and its ``X-Flywheel-Data`` header (a looser header is not applied; an
+  unknown value is a 400 naming the header, before anything is routed), then the tenant's training
+  sample by session. ``none`` is served and counted (``flywheel_gateway_data_use``,
+  ``flywheel_gateway_unstored``) and nothing of it is captured: no event, no generation owner in
+  the live state (feedback naming such a generation is a 404, it was never stored), and a full
+  capture does not refuse it. ``store_only`` is captured with ``data_use = "store_only"`` on each
+  event. Every answer says which use applied in ``X-Flywheel-Data-Use``.
 - Prompts and completions are never logged at INFO or above.
 """
 
@@ -57,7 +65,7 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import ValidationError
 
-from flywheel import identity, jsonpolicy
+from flywheel import consent, identity, jsonpolicy
 from flywheel.events import new_id
 from flywheel.settings import Settings
 from serving.errors import (
@@ -85,6 +93,7 @@ from serving.protocol import (
     NODE_HEADER,
     SESSION_HEADER,
     SSE_DONE,
+    check_data_use,
     check_session_id,
     parse_chat_request,
     parse_completion_request,
@@ -121,6 +130,7 @@ class Call:
     started: float = field(default_factory=time.perf_counter)
     headers: dict[str, str] = field(default_factory=dict)  # for the client
     user_hash: str | None = None  # the end user's keyed hash (flywheel.identity), if one was named
+    data_use: consent.DataUse = "train"  # what may be done with it (flywheel.consent)
 
     @property
     def tenant(self) -> str:
@@ -173,11 +183,14 @@ class CompletionServing:
 
     async def __call__(self, request: Request, principal: Principal, kind: capture.Kind, *, started: float) -> Response:
         """Serve one completion for ``principal``; ``started``: when the request reached the gateway."""
-        try:
-            self.capture.admit()
-        except CaptureFull as exc:
-            raise APIError(503, f"capture is unavailable ({exc}); the request was not served, retry later",
-                           code="capture_unavailable") from None
+        policy = consent.policy_for(self.settings.tenants, principal.tenant)
+        use = check_data_use(policy, request.headers.get(consent.HEADER))
+        if use != "none":  # nothing of it is captured: a full capture does not concern it
+            try:
+                self.capture.admit()
+            except CaptureFull as exc:
+                raise APIError(503, f"capture is unavailable ({exc}); the request was not served, retry later",
+                               code="capture_unavailable") from None
         body = await read_json_body(request, self.settings.gateway.max_body_bytes,
                                     self.settings.gateway.body_read_timeout_s)
         parse = parse_chat_request if kind == "chat" else parse_completion_request
@@ -185,11 +198,14 @@ class CompletionServing:
         self.check_model(parsed.model)
         user_hash = self.end_user_hash(principal.tenant, parsed.user, request.headers.get(identity.USER_HEADER))
         session_id = check_session_id(request.headers.get(SESSION_HEADER) or uuid.uuid4().hex)
+        use = consent.sampled(use, policy, principal.tenant, session_id)
+        self.metrics.data_use.labels(kind, use).inc()
         version = await self.pin(principal.tenant, session_id)
         upstream_request = capture.upstream_request(body, self.settings.model.line, kind, user_hash)
         upstream_body = orjson.dumps(upstream_request)  # read_json_body kept every integer within 64 bits
         call = Call(kind, capture.recorded_request(body), parsed, principal, session_id, version, upstream_body,
-                    upstream_request, started=started, headers={SESSION_HEADER: session_id}, user_hash=user_hash)
+                    upstream_request, started=started, headers={SESSION_HEADER: session_id, consent.USE_HEADER: use},
+                    user_hash=user_hash, data_use=use)
         if parsed.stream:
             return await self.stream(call)
         return await self.complete_whole(call)
@@ -335,13 +351,13 @@ class CompletionServing:
     async def record_generation(self, call: Call, response_body: dict[str, Any], served: list[capture.Served],
                                 upstream_s: float) -> None:
         """Hand the call's events (one per choice, all or none) to the capture, after recording
-        which tenant and session own each generation id."""
+        which tenant and session own each generation id; for data use ``none``, only count them."""
         try:
             events = capture.generation_events(
                 request_id=call.generation_id, tenant=call.tenant, session_id=call.session_id,
                 model_line=self.settings.model.line, request_body=call.body, response_body=response_body,
                 served=served, latency_ms=upstream_s * 1000.0, sampling_defaults=dict(call.target.sampling_defaults),
-                user_hash=call.user_hash,
+                user_hash=call.user_hash, data_use="store_only" if call.data_use == "store_only" else "train",
             )
         except ValidationError as exc:  # e.g. non-finite logprobs: never a partial or lossy event
             raise bad_upstream_response(exc, call.headers) from None
@@ -351,6 +367,9 @@ class CompletionServing:
         if call.version is None:  # nothing to follow yet: the session stays on what served it
             await self.state.pin_session(call.tenant, call.session_id, model_version,
                                          self.settings.gateway.session_ttl_s)
+        if call.data_use == "none":  # served and counted; nothing of it is recorded anywhere
+            self.metrics.unstored.labels("generation").inc(len(events))
+            return
         for event in events:
             await self.state.record_generation(event.generation_id, call.tenant, call.session_id,
                                                self.settings.gateway.ownership_ttl_s)

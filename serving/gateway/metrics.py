@@ -29,6 +29,12 @@ class GatewayMetrics:
                                   ["model_version"], buckets=LATENCY_BUCKETS, registry=registry)
         self.stream_errors = Counter("flywheel_stream_errors", "Streams that ended with an error event (nothing recorded)",
                                      registry=registry)
+        self.data_use = Counter("flywheel_gateway_data_use",
+                                "Completion and feedback requests served, by the data use that applied (flywheel.consent)",
+                                ["route", "data_use"], registry=registry)
+        self.unstored = Counter("flywheel_gateway_unstored",
+                                "Generations and feedback items served or accepted but never recorded (data use none)",
+                                ["kind"], registry=registry)
         self.repinned = Counter("flywheel_sessions_repinned",
                                 "Sessions moved to another version because no node held theirs any more",
                                 registry=registry)

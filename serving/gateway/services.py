@@ -83,6 +83,6 @@ async def open_services(settings: Settings, metrics: GatewayMetrics,
 
         user_secret = await asyncio.to_thread(load_secret, settings.gateway.user_id_secret, settings.data_path)
         completions = CompletionServing(settings, metrics, capture, state, router, http, user_secret)
-        feedback = FeedbackServing(settings, state, ownership, completions.submit, metrics.feedback.inc)
+        feedback = FeedbackServing(settings, state, ownership, completions.submit, metrics)
         yield Services(settings, metrics, capture, state, sessions, router, Access(settings.gateway, keys, state),
                        completions, feedback)
