@@ -338,8 +338,9 @@ def evaluate(registry: Any, sessions: Any, policy: RolloutSettings, now: datetim
                                (now - since).total_seconds(), policy)
         unserved = verdict.action == "rollback" and verdict.figures["canary"]["generations"] == 0
         _, refused = failed_loads(db, registry.model_line, canary.version, now) if unserved else (0, {})
-        gates = promotion_policy(policy, metrics or Metrics())
-        evidence = (look(db, gates, metrics or Metrics(), registry.model_line, canary.version, stable, since, now)
+        metrics = metrics or Metrics()
+        gates = promotion_policy(policy, metrics)
+        evidence = (look(db, gates, metrics, registry.model_line, canary.version, stable, since, now)
                     if gates is not None else None)
     figures = verdict.figures if evidence is None else {
         **verdict.figures, "evidence": evidence_figures(evidence, canary.version, since)}

@@ -33,6 +33,7 @@ from ingest.worker import run as run_ingest
 from rewards.worker import run as run_rewards
 from serving.gateway.app import create_app
 from tests.fixtures.roles import RoleThread, drain_capture, served_app, wait_until
+from tests.fixtures.traffic import produce
 from tests.integration.test_pipeline import Traffic, make_settings, registry_for, send_twice, wait_for
 from tests.integration.test_pipeline import running as running_roles
 from tests.integration.test_pipeline import traffic as pipeline_traffic  # noqa: F401  (a fixture, by this name)
@@ -280,14 +281,8 @@ def test_the_trainer_never_trains_on_store_only(tmp_path: Path, sqlite_url: str,
     assert {r.trajectory_id for r in rows if r.data_use != "train"} == kept
     on_topic = {ScoredTrajectory.from_bytes(v).trajectory_id for v in _topic(settings, "scored")}
     assert on_topic and not on_topic & kept
-    bus = make_bus(settings)  # a stray producer puts them on the trainer's topic after all
-    producer = bus.producer()
-    for row in rows:
-        if row.data_use != "train":
-            producer.send(settings.topic("scored"), row.session_id, row.to_bytes())
-    producer.flush()
-    producer.close()
-    bus.close()
+    # A stray producer puts them on the trainer's topic after all.
+    produce(settings, [row for row in rows if row.data_use != "train"])
 
     registry = registry_for(settings)
     with running_roles(train, settings=settings):

@@ -36,7 +36,7 @@ from flywheel.settings import Settings, load_settings
 from flywheel.weights.codec.state import state_sha256
 from flywheel.weights.registry import Registry
 from flywheel.weights.store import make_store
-from tests.fixtures.traffic import wait_for
+from tests.fixtures.traffic import produce, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -361,13 +361,7 @@ def test_trainer_publishes_a_delta_and_lr_zero_changes_nothing(
     control = make_settings(tmp_path / "b", f"sqlite:///{tmp_path / 'b.db'}", tiny_model_dir,
                             trainer={"lr": 0.0, "require_stored": False})  # scored rows live in the first database
     upgrade(control.database_url)
-    bus = make_bus(control)
-    producer = bus.producer()
-    for record in scored:
-        producer.send(control.topic("scored"), record.key or "", record.value)
-    producer.flush()
-    producer.close()
-    bus.close()
+    produce(control, [], raw=[("scored", record.key or "", record.value) for record in scored])
     control_registry = registry_for(control)
     with running(train, settings=control):
         wait_for("control version 1", lambda: len(control_registry.versions()) >= 2, timeout_s=180)
