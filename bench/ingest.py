@@ -217,7 +217,7 @@ class Observer(threading.Thread):
         self.halt = threading.Event()
 
     def expect(self, session_id: str) -> None:
-        from ingest.assemble import trajectory_id_for
+        from flywheel.events import trajectory_id_for
 
         with self.lock:
             self.watch[trajectory_id_for(TENANT, session_id)] = session_id

@@ -177,6 +177,11 @@ def feedback_event_id(tenant: str, feedback_id: str) -> str:
     return uuid.uuid5(uuid.NAMESPACE_URL, f"flywheel-feedback:{tenant}:{feedback_id}").hex
 
 
+def trajectory_id_for(tenant: str, session_id: str) -> str:
+    """The trajectory id of a session: one per (tenant, session), stable across revisions."""
+    return uuid.uuid5(uuid.NAMESPACE_URL, f"flywheel-trajectory:{tenant}:{session_id}").hex
+
+
 class Turn(BaseModel):
     """One assistant turn inside a trajectory, as offsets into the flat token sequence."""
 

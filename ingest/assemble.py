@@ -37,14 +37,9 @@ import uuid
 from collections.abc import Sequence
 from typing import Any, Literal
 
-from flywheel.events import FeedbackEvent, GenerationEvent, Segment, TrajectoryEvent, Turn
+from flywheel.events import FeedbackEvent, GenerationEvent, Segment, TrajectoryEvent, Turn, trajectory_id_for
 
 ClosedReason = Literal["outcome", "inactivity", "late_feedback"]
-
-
-def trajectory_id_for(tenant: str, session_id: str) -> str:
-    """The trajectory id of a session: one per (tenant, session), stable across revisions."""
-    return uuid.uuid5(uuid.NAMESPACE_URL, f"flywheel-trajectory:{tenant}:{session_id}").hex
 
 
 def trajectory_event_id(trajectory_id: str, revision: int) -> str:

@@ -28,7 +28,7 @@ that trajectory) and is never cleared, so a session that was closed before re-cl
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from datetime import datetime
 from typing import Any
@@ -38,8 +38,7 @@ from sqlalchemy.orm import Session
 
 from flywheel.db.models import Feedback, Generation, SessionState, Trajectory
 from flywheel.db.session import JSONText, insert_ignore
-from flywheel.events import FeedbackEvent, GenerationEvent, TrajectoryEvent
-from ingest.assemble import trajectory_id_for
+from flywheel.events import FeedbackEvent, GenerationEvent, TrajectoryEvent, trajectory_id_for
 
 OPEN, CLOSING, CLOSED, EMPTY = "open", "closing", "closed", "empty"
 Key = tuple[str, str]  # (tenant, session_id)
@@ -234,6 +233,14 @@ class EventCache:
         while self.tokens > self.max_tokens:
             _, old = self._events.popitem(last=False)
             self.tokens -= self._size(old)
+
+    def purge(self, drop: Callable[[GenerationEvent], bool]) -> int:
+        """Forget every cached event ``drop`` names (an erased subject's: flywheel/tombstones.py)."""
+        gone = [event for event in self._events.values() if drop(event)]
+        for event in gone:
+            del self._events[event.event_id]
+            self.tokens -= self._size(event)
+        return len(gone)
 
     def get(self, event_id: str) -> GenerationEvent | None:
         event = self._events.get(event_id)

@@ -67,6 +67,12 @@ generations leaves it ``empty``; a generation that arrives at a session which al
 outcome (or abandonment) at or after its own timestamp closes it again at once (reason
 ``outcome``), so late turns reach a trajectory without waiting for the inactivity timeout.
 
+Erased subjects (flywheel/tombstones.py): a record of a tombstoned session, or a generation of a
+tombstoned user sent before the erasure was requested, is dropped before anything is stored (counted
+``erased``); such a generation tombstones its session for every stage, and what ingest stored of
+that session before (its feedback, read first) is deleted with it. A session tombstoned while
+open is never closed into a trajectory (it becomes ``empty``, and its cached events are forgotten).
+
 Late feedback: feedback for a closed session within ``ingest.late_horizon_s`` of its close (in
 event time: the feedback's ``ts`` after the newest event of the closed trajectory) re-opens it:
 ``revision + 1``, closed reason ``late_feedback``. Later feedback is stored with state
@@ -85,6 +91,7 @@ from datetime import UTC, datetime, timedelta
 from sqlalchemy.exc import DataError, IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
+from flywheel import erasure
 from flywheel.bus import Consumer, Producer, Record, make_bus, partition_for_key
 from flywheel.bus.base import route_to_dlq, stay_in_group
 from flywheel.bus.envelope import Reassembler
@@ -93,6 +100,7 @@ from flywheel.db.session import BAD_ROW, OutageWait, make_session_factory, open_
 from flywheel.events import FeedbackEvent, GenerationEvent, TrajectoryEvent
 from flywheel.health import Beat
 from flywheel.settings import Settings
+from flywheel.tombstones import Tombstones
 from ingest import store
 from ingest.assemble import ClosedReason, assemble, turn_of
 
@@ -139,6 +147,7 @@ class Ingestor:
         #: Sessions an outcome ended while turns of theirs may still wait on the bus -> outcome time.
         self.deferred: dict[store.Key, datetime] = {}
         self.consumer: Consumer | None = None
+        self.tombstones = Tombstones(sessions)
         #: The JSON of the trajectories closed in this pass (stored and produced from one encoding).
         self._encoded: dict[str, tuple[TrajectoryEvent, bytes]] = {}
 
@@ -151,6 +160,7 @@ class Ingestor:
         for record, event in decoded:
             if isinstance(event, GenerationEvent) and event.ts > self.watermarks.get(record.partition, event.ts - _TICK):
                 self.watermarks[record.partition] = event.ts
+        decoded = self._drop_erased(decoded)
         if decoded:
             try:
                 self._emit(self._apply([event for _, event in decoded]))
@@ -188,6 +198,28 @@ class Ingestor:
             self._dead_letter(record, consumer, f"invalid {kind.__name__}: {exc}")
             return None
         return event
+
+    def _drop_erased(self, decoded: list[tuple[Record, Event]]) -> list[tuple[Record, Event]]:
+        """``decoded`` without the records of erased subjects (module docstring); the sessions an
+        erased user's generations name are tombstoned first, so their other events go too."""
+        tombstones = self.tombstones
+        if tombstones.refresh():
+            self.cache.purge(lambda event: tombstones.drops_session(event.tenant, event.session_id))
+        found: dict[int, set[store.Key]] = {}
+        for _, event in decoded:
+            if isinstance(event, GenerationEvent) and not tombstones.drops_session(event.tenant, event.session_id):
+                erasure_id = tombstones.erasure_of(event.tenant, event.user_hash, event.ts)
+                if erasure_id is not None:
+                    found.setdefault(erasure_id, set()).add((event.tenant, event.session_id))
+        if found:  # tombstoned for every stage, and what this stage stored of them before goes
+            with self.sessions() as db, db.begin():
+                for erasure_id, keys in found.items():
+                    tombstones.cover(db, erasure_id, keys)
+                    for tenant in {tenant for tenant, _ in keys}:
+                        erasure.erase_found(db, erasure_id, tenant, {s for t, s in keys if t == tenant})
+        kept = [(record, event) for record, event in decoded if not tombstones.drops_session(event.tenant, event.session_id)]
+        self.counters["erased"] += len(decoded) - len(kept)
+        return kept
 
     def _dead_letter(self, record: Record, consumer: Consumer, reason: str) -> None:
         route_to_dlq(consumer, record, reason, self.counters, log)
@@ -279,6 +311,10 @@ class Ingestor:
         for key, reason in sorted(to_close.items()):
             state = states[key]
             generations, feedback = events[key]
+            if self.tombstones.drops_session(*key):  # erased while open: nothing of it goes on
+                state.status = store.EMPTY
+                self.counters["sessions_erased"] += 1
+                continue
             if not generations:
                 # Feedback before any generation: nothing to train on yet; a generation re-opens it.
                 state.status = store.EMPTY
@@ -366,6 +402,10 @@ class Ingestor:
             store.mark_closed(db, claimed)
 
     def _produce(self, trajectories: Sequence[TrajectoryEvent]) -> None:
+        kept = [t for t in trajectories if not self.tombstones.drops_session(t.tenant, t.session_id)]
+        # a trajectory committed before its session was tombstoned: the erasure deletes the row
+        self.counters["erased"] += len(trajectories) - len(kept)
+        trajectories = kept
         if not trajectories:
             return
         for traj in trajectories:

@@ -7,7 +7,8 @@ into ``scored_trajectories``, without reading or writing the bus: nothing reache
 storage order through a fresh normaliser, so advantages are reproducible; rows are inserted
 idempotently and the spec version's stats are then rebuilt from its scored rows, so running it
 twice gives the same rows. Rescoring under the version a live worker is using adds nothing the
-worker has not (both insert-ignore the same keys).
+worker has not (both insert-ignore the same keys). A trajectory of an erased subject's session
+(flywheel/tombstones.py: one the erasure has not deleted yet) is skipped, and counted.
 
 Report prints, per spec version, model line and served version, the training and held-out reward
 rates (mean total reward) with counts, and the anomaly flag with its reason. Beside them, for the
@@ -42,6 +43,7 @@ from flywheel.db.session import make_session_factory, open_database
 from flywheel.events import TrajectoryEvent
 from flywheel.metrics import Metric, Metrics
 from flywheel.settings import Settings
+from flywheel.tombstones import Tombstones
 from rewards import credit, store
 from rewards.normalise import Normaliser
 from rewards.scorer import Scorer
@@ -58,6 +60,7 @@ class RescoreResult:
     trajectories: int
     inserted: int
     held_out: int
+    erased: int = 0
 
 
 def rescore(settings: Settings, spec_path: str) -> RescoreResult:
@@ -68,7 +71,8 @@ def rescore(settings: Settings, spec_path: str) -> RescoreResult:
     scorer = Scorer(spec, transcripts=store.DbTranscripts(sessions), generations=store.DbGenerations(sessions),
                     judge_api_key=settings.rewards.judge_api_key)
     normaliser = Normaliser(spec.normalise)
-    seen = inserted = held = 0
+    tombstones = Tombstones(sessions)
+    seen = inserted = held = erased = 0
     try:
         with sessions() as db, db.begin():
             store.register_spec(db, spec)
@@ -81,8 +85,12 @@ def rescore(settings: Settings, spec_path: str) -> RescoreResult:
                 break
             last_id = rows[-1][0]
             batch = []
+            tombstones.refresh()
             for _, payload in rows:
                 traj = TrajectoryEvent.model_validate(payload)
+                if tombstones.drops_session(traj.tenant, traj.session_id):
+                    erased += 1
+                    continue
                 rewards = scorer(traj)
                 held_out = scorer.held_out(traj)
                 advantages = None if held_out else normaliser.advantages(
@@ -97,8 +105,9 @@ def rescore(settings: Settings, spec_path: str) -> RescoreResult:
     finally:
         scorer.close()
         engine.dispose()
-    log.info("rescored %d trajectories under %s: %d new rows, %d held out", seen, spec.version, inserted, held)
-    return RescoreResult(spec.version, seen, inserted, held)
+    log.info("rescored %d trajectories under %s: %d new rows, %d held out, %d of erased subjects skipped",
+             seen, spec.version, inserted, held, erased)
+    return RescoreResult(spec.version, seen, inserted, held, erased)
 
 
 def report(settings: Settings, spec_version: str | None = None) -> list[dict[str, Any]]:

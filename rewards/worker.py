@@ -20,6 +20,9 @@ dead-lettered: one bad record never stops the stream, and never crash-loops the 
 - Held-out trajectories (``rewards.guards.is_held_out``) are scored and stored, never produced; so
   are those not for training (``data_use = "store_only"``, ``flywheel.consent``): they count in the
   version's statistics, the metrics and the gates like any other, and never reach the trainer.
+- A trajectory of an erased subject's session (flywheel/tombstones.py) is dropped before anything
+  else, counted ``erased``: neither scored, nor stored, nor dead-lettered (a dead letter would keep
+  its content).
 - The normalisation statistics are rebuilt from the database at start (``rewards.normalise``).
 - A database outage (``flywheel.db.session.is_db_outage``) does not end the process: the batch that
   met it is abandoned, the normaliser dropped (it may have observed rewards that were never
@@ -50,6 +53,7 @@ from flywheel.db.session import BAD_ROW, OutageWait, make_session_factory, open_
 from flywheel.events import ScoredTrajectory, TrajectoryEvent
 from flywheel.health import Beat
 from flywheel.settings import RewardSettings, Settings
+from flywheel.tombstones import Tombstones
 from rewards import credit, store
 from rewards.builders import RewardOutput
 from rewards.normalise import Normaliser
@@ -77,6 +81,7 @@ def process(
     *,
     restore_rows: int = RewardSettings.model_fields["restore_rows"].default,
     require_stored: bool = RewardSettings.model_fields["require_stored"].default,
+    tombstones: Tombstones | None = None,
 ) -> None:
     """Score, persist and produce one batch; the caller commits the offsets afterwards. ``beat``
     (the worker's heartbeat) is called after each trajectory is scored: a judge call may be slow.
@@ -91,6 +96,11 @@ def process(
             decoded.append((record, TrajectoryEvent.from_bytes(record.value)))
         except ValueError as exc:
             route_to_dlq(consumer, record, f"undecodable TrajectoryEvent: {exc}", counters, log)
+    if tombstones is not None:
+        tombstones.refresh()
+        kept = [(r, t) for r, t in decoded if not tombstones.drops_session(t.tenant, t.session_id)]
+        counters["erased"] += len(decoded) - len(kept)
+        decoded = kept
     if require_stored and decoded:
         with sessions() as db:
             known = store.stored_trajectories(db, (traj.event_id for _, traj in decoded))
@@ -201,6 +211,7 @@ def run(settings: Settings, stop: threading.Event | None = None) -> None:
     consumer = bus.consumer(settings.group("rewards"), sources)
     producer = bus.producer()
     counters: Counter[str] = Counter()
+    tombstones = Tombstones(sessions)
     # `flywheel health rewards`: beats every turn and every scored trajectory
     heartbeat = Beat(settings, "rewards", counters=counters)
     outages = OutageWait(settings.database_url, settings.db.wait_s)
@@ -217,7 +228,8 @@ def run(settings: Settings, stop: threading.Event | None = None) -> None:
                 records = consumer.poll(timeout_s=POLL_TIMEOUT_S, max_records=MAX_RECORDS)
                 if records:
                     process(records, consumer, sessions, producer, scorer, normaliser, topic, counters, heartbeat.beat,
-                            restore_rows=settings.rewards.restore_rows, require_stored=settings.rewards.require_stored)
+                            restore_rows=settings.rewards.restore_rows, require_stored=settings.rewards.require_stored,
+                            tombstones=tombstones)
                     consumer.commit(records)
             except Exception as exc:
                 outages.ride_out("rewards", exc, lambda: (heartbeat.beat(), stay_in_group(consumer)), stop)

@@ -4,7 +4,9 @@
   is the oldest version that served any of its turns; a sample more than ``max_staleness``
   versions behind the version being trained is dropped, at admission and again when a batch is
   taken (the trained version moves on while samples wait), and every drop is counted by reason
-  (``stale``, ``duplicate``, ``empty``, ``superseded``, ``already_trained``, ``not_for_training``).
+  (``stale``, ``duplicate``, ``empty``, ``superseded``, ``already_trained``, ``not_for_training``,
+  ``erased``: :meth:`SampleBuffer.purge_erased` takes out an erased subject's samples,
+  flywheel/tombstones.py, so no later batch and no later checkpoint holds them).
   A sample whose ``data_use`` is not ``train`` (``flywheel.consent``: the tenant or the request
   said ``store_only``) never enters a batch: the rewards stage does not produce such samples, and
   one that reaches the trainer anyway is dropped at admission. A redelivered event
@@ -25,7 +27,7 @@
 from __future__ import annotations
 
 from collections import Counter, OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -121,6 +123,21 @@ class SampleBuffer:
             self.dropped["superseded"] += len(self._superseded)
         out, self._superseded = stale + self._superseded, []
         return out
+
+    def purge_erased(self, erased: Callable[[ScoredTrajectory], bool]) -> list[Entry]:
+        """Drop (and count as ``erased``) every buffered sample ``erased`` names; returns them
+        (their records are done)."""
+        gone = [entry for entry in self._entries if erased(entry.sample)]
+        if not gone:
+            return []
+        ids = {id(entry) for entry in gone}
+        self._entries = deque(entry for entry in self._entries if id(entry) not in ids)
+        self._superseded = [entry for entry in self._superseded if id(entry) not in ids]
+        for entry in gone:
+            if self._queued.get(entry.sample.trajectory_id) is entry:
+                del self._queued[entry.sample.trajectory_id]
+        self.dropped["erased"] += len(gone)
+        return gone
 
     def take(self, n: int, max_tokens: int = 0) -> list[Entry]:
         """The oldest samples, up to ``n`` of them and, when ``max_tokens`` > 0, up to that many

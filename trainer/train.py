@@ -54,6 +54,10 @@ loop (consume -> buffer -> step) -> every ``trainer.steps_per_version`` steps, o
   Samples without them (older payloads) fall back to baselines that are group-relative per
   ``prompt_key`` when the batch holds two or more samples of one prompt, else the batch mean
   (``trainer.loss.turn_values``).
+- Erased subjects (flywheel/tombstones.py): a sample of a tombstoned session is dropped when it
+  arrives and, when a tombstone is new to the trainer, taken out of the buffer (``dropped_erased``),
+  so no later step trains on it and no later checkpoint holds it; the tombstones are re-read at
+  most every second, before the buffer is used.
 - Offsets are committed only when a version is published (after its checkpoint), and only the
   prefix of records that were done when its point was cut, so a crash never skips a buffered sample.
 - Metrics of each version: the step means of the loss terms, the buffer's counters (drops by
@@ -97,6 +101,7 @@ from flywheel.events import ScoredTrajectory
 from flywheel.health import Beat
 from flywheel.lm import load_model
 from flywheel.settings import Settings, TrainerSettings
+from flywheel.tombstones import Tombstones
 from flywheel.weights.codec.state import state_sha256
 from flywheel.weights.registry import Registry, State, VersionInfo
 from flywheel.weights.store import make_store
@@ -213,6 +218,10 @@ def _train(settings: Settings, stop: threading.Event, dist: Dist) -> None:
     bus.ensure_topics(topics)
     consumer = bus.consumer(settings.group("trainer"), topics)
     scored_rows = make_session_factory(engine)  # what rewards stored: ``vet``'s provenance check
+    tombstones = Tombstones(scored_rows)
+
+    def erased(sample: ScoredTrajectory) -> bool:
+        return tombstones.drops_session(sample.tenant, sample.session_id)
     log.info("training %s (%s, %s, %d rank(s) %s on %s) from v%d (step %d), lr=%g, batch %d",
              settings.model.line, cfg.mode,
              f"LoRA r={cfg.lora_rank}, {cfg.lora_publish} versions" if policy.lora else "full", dist.world_size,
@@ -272,10 +281,17 @@ def _train(settings: Settings, stop: threading.Event, dist: Dist) -> None:
             if stop.is_set():
                 dist.broadcast_object(("stop",))
                 break
+            if tombstones.refresh():
+                for entry in buffer.purge_erased(erased):
+                    offsets.done(entry.record)
             polled = [r for r in consumer.poll(timeout_s=0.0 if busy else POLL_TIMEOUT_S, max_records=MAX_RECORDS)
                       if offsets.track(r)]  # not tracked: redelivered after a restart; the checkpoint holds its fate
             for record, sample, problem in vet(polled, settings.model.line, vocab_size,
                                                scored_rows if cfg.require_stored else None):
+                if sample is not None and erased(sample):  # never dead-lettered: the letter would keep it
+                    buffer.dropped["erased"] += 1
+                    offsets.done(record)
+                    continue
                 if problem is not None:  # counted in the version's metrics as dropped_dead_lettered
                     route_to_dlq(consumer, record, problem, buffer.dropped, log)
                     offsets.done(record)

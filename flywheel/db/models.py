@@ -343,3 +343,22 @@ class Erasure(Base):
 
     __table_args__ = (Index("ix_erasures_subject", "tenant", "user_hash", "session_id"),
                       Index("ix_erasures_state", "state"))
+
+
+class ErasureSession(Base):
+    """A session an erasure covers (``flywheel/tombstones.py``): the subject's sessions when it was
+    requested, and those a stage found in flight later. Every record of such a session is dropped,
+    whenever it was sent: a later turn's prompt carries the earlier ones."""
+
+    __tablename__ = "erasure_sessions"
+
+    erasure_id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    tenant: Mapped[str] = mapped_column(String(128), primary_key=True)
+    session_id: Mapped[str] = mapped_column(String(256), primary_key=True)
+    #: The session's trajectory id (``flywheel.events.trajectory_id_for``): how its scored and
+    #: trained rows are found once its trajectories are gone.
+    trajectory_id: Mapped[str] = mapped_column(String(128))
+    added_at: Mapped[datetime]
+
+    __table_args__ = (Index("ix_erasure_sessions_added_at", "added_at"),
+                      Index("ix_erasure_sessions_trajectory_id", "trajectory_id"))

@@ -25,10 +25,9 @@ from flywheel import consent
 from flywheel.bus import make_bus
 from flywheel.db.models import Feedback, Generation, ScoredTrajectoryRow, SessionState, Trajectory
 from flywheel.db.session import make_engine, make_session_factory, upgrade
-from flywheel.events import ScoredTrajectory, TrajectoryEvent
+from flywheel.events import ScoredTrajectory, TrajectoryEvent, trajectory_id_for
 from flywheel.keys import create_key
 from flywheel.settings import Settings, load_settings
-from ingest.assemble import trajectory_id_for
 from ingest.worker import run as run_ingest
 from rewards.worker import run as run_rewards
 from serving.gateway.app import create_app

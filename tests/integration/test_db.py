@@ -45,6 +45,7 @@ TABLES = {
     "trained_trajectories",
     "rollout_decisions",
     "erasures",
+    "erasure_sessions",
 }
 
 

@@ -37,9 +37,9 @@ from flywheel.events import (
     Turn,
     feedback_event_id,
     new_id,
+    trajectory_id_for,
 )
 from flywheel.settings import Settings
-from ingest.assemble import trajectory_id_for
 from tests.fixtures.kafka import KAFKA_TEST_BUS, unique_prefix
 from tests.integration.test_pipeline import TENANT, Traffic, count, make_settings, read_all, registry_for, running, wait_for
 

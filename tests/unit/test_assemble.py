@@ -6,8 +6,8 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from flywheel.events import FeedbackEvent, GenerationEvent, SamplingParams, TrajectoryEvent, feedback_event_id
-from ingest.assemble import assemble, prompt_key_of, trajectory_event_id, trajectory_id_for, turn_of
+from flywheel.events import FeedbackEvent, GenerationEvent, SamplingParams, TrajectoryEvent, feedback_event_id, trajectory_id_for
+from ingest.assemble import assemble, prompt_key_of, trajectory_event_id, turn_of
 
 pytestmark = pytest.mark.unit
 
