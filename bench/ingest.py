@@ -55,7 +55,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -385,7 +385,9 @@ def pipeline_phase(bootstrap: str, broker_pid: int | None, admin, db_settings: d
 
 def latency_phase(bootstrap: str, admin, db_settings: dict[str, str], events: list[Event], partitions: int,
                   n_ingest: int, n_rewards: int, rate: float, warmup_s: float, env: dict[str, str],
-                  drain_s: float) -> dict[str, Any]:
+                  drain_s: float, around: Callable[[str], AbstractContextManager[Any]] | None = None) -> dict[str, Any]:
+    """The paced phase (module docstring); ``around(database_url)``, when given, is entered after the
+    warm-up and left after the drain (bench/retention.py runs its job in it)."""
     from flywheel.bus import make_bus
 
     topics = fresh_topics(bootstrap, partitions, env.get("FLYWHEEL_BUS__COMPRESSION", ""))
@@ -395,6 +397,7 @@ def latency_phase(bootstrap: str, admin, db_settings: dict[str, str], events: li
         observer.start()
         bus = make_bus(topics.settings())
         producer = bus.producer()
+        side: AbstractContextManager[Any] | None = None
         try:
             # Warm-up: one whole session, sent until scored, so every worker has joined its group.
             probe = session(random.Random(-1))
@@ -408,6 +411,10 @@ def latency_phase(bootstrap: str, admin, db_settings: dict[str, str], events: li
                 if time.perf_counter() > deadline:
                     raise RuntimeError("the pipeline did not score the warm-up session in 90 s")
                 time.sleep(0.05)
+            if around is not None:
+                entered = around(url)
+                entered.__enter__()
+                side = entered
             sent_at: dict[str, float] = {}
             start = time.perf_counter()
             lag_max = 0.0
@@ -433,6 +440,8 @@ def latency_phase(bootstrap: str, admin, db_settings: dict[str, str], events: li
                 time.sleep(0.05)
             drained_at = time.perf_counter()
         finally:
+            if side is not None:  # before the workers stop: what ran beside them is over first
+                side.__exit__(None, None, None)
             producer.close()
             bus.close()
             observer.halt.set()

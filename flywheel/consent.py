@@ -1,4 +1,4 @@
-"""What each tenant's and request's data may be used for: the policy, the header, the effective use.
+"""What each tenant's and request's data may be used for, and how long it is kept: the policy, the header, the effective use.
 
 Three uses, loosest first:
 
@@ -21,6 +21,18 @@ A tenant's policy is a settings section of its own (the tenant's home; keys only
 
     [tenants.acme]
     data_use = "store_only"
+
+A tenant's retention (``retention_days``) is how long its rows are kept, counted from each row's
+``ts``: one number for every kind, or per kind (``raw_events``: generations, feedback and ingest's
+sessions; ``trajectories``; ``scores``); 0 or absent keeps them forever. The retention job
+(flywheel/retention.py, run by the ``janitor`` role and ``flywheel data retain``) deletes what is
+older. As with the other keys, a tenant's own section replaces ``[tenants."*"]`` whole::
+
+    [tenants."*"]
+    retention_days = 30                       # every kind, 30 days
+
+    [tenants.acme]
+    retention_days = {raw_events = 7, trajectories = 90}   # scores: kept forever
 
 Settings suffice while tenants are few and their policies change with a deployment; a table that an
 operator edits at run time (beside ``api_keys``) is the later step, read through the same
@@ -50,7 +62,7 @@ import re
 from collections.abc import Mapping
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 #: A tenant's name: 1 to 128 letters, digits, ``.``, ``_``, ``@`` and ``-``, starting with a letter or digit.
 TENANT_NAME = r"[A-Za-z0-9][A-Za-z0-9._@-]{0,127}"
@@ -64,6 +76,27 @@ HEADER_VALUES: dict[str, DataUse] = {"no-train": "store_only", "no-store": "none
 USE_HEADER = "X-Flywheel-Data-Use"
 #: The settings key of the policy for tenants not listed.
 ANY_TENANT = "*"
+#: The kinds a retention names: raw events (generations, feedback, sessions), trajectories, scores.
+RETAINED = ("raw_events", "trajectories", "scores")
+
+
+class RetentionDays(BaseModel):
+    """How many days each kind of a tenant's rows is kept; None (or 0 in settings) keeps them forever."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    raw_events: float | None = Field(None, ge=0)
+    trajectories: float | None = Field(None, ge=0)
+    scores: float | None = Field(None, ge=0)
+
+    @field_validator("raw_events", "trajectories", "scores")
+    @classmethod
+    def _zero_is_forever(cls, days: float | None) -> float | None:
+        return days or None
+
+    def days(self, kind: str) -> float | None:
+        """The retention of ``kind`` (one of :data:`RETAINED`) in days; None: forever."""
+        return getattr(self, kind)
 
 
 class TenantPolicy(BaseModel):
@@ -74,6 +107,15 @@ class TenantPolicy(BaseModel):
     data_use: DataUse = "train"
     #: The share of the tenant's ``train`` sessions that go to training (by session, see above).
     train_fraction: float = Field(1.0, ge=0, le=1)
+    #: How long the tenant's rows are kept (module docstring): days for every kind, or per kind.
+    retention_days: RetentionDays = RetentionDays()
+
+    @field_validator("retention_days", mode="before")
+    @classmethod
+    def _one_number_for_all(cls, value: object) -> object:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return dict.fromkeys(RETAINED, value)
+        return value
 
 
 def check_tenants(tenants: Mapping[str, TenantPolicy]) -> None:

@@ -1,4 +1,4 @@
-"""``flywheel data export|forget``: the command line of end users' data rights.
+"""``flywheel data export|forget|retain``: the command line of end users' data rights and retention.
 
 - ``export --tenant T (--user U | --session S) [--out PATH]``: the subject's rows as JSON Lines
   (flywheel/subjects.py). ``--out`` is written mode ``0600`` under a temporary name beside PATH and
@@ -6,6 +6,10 @@
 - ``forget --tenant T (--user U | --session S) [--by NAME]``: tombstone the subject, delete every
   row of theirs and print what was deleted and which model versions had been trained on their data
   (flywheel/erasure.py: weights are not unlearned). ``forget --resume`` completes what a crash left.
+
+- ``retain [--dry-run] [--json]``: run the retention job once (flywheel/retention.py: each
+  tenant's ``retention_days``), printing what was deleted (``--dry-run``: what would be) and the
+  rate; the ``janitor`` role runs the same job every ``retention.interval_s``.
 
 A user is named by the id exactly as the client sent it (OpenAI's ``user``, ``X-Flywheel-User``)
 and hashed here with the gateway's secret (:func:`flywheel.subjects.deployment_secret`, which never
@@ -54,6 +58,9 @@ def add_data_commands(subparsers: Any) -> None:
     _subject_args(forget, required=False)
     forget.add_argument("--by", help="who asks (the audit's requested_by; default: the login name)")
     forget.add_argument("--resume", action="store_true", help="complete the erasures a crash left pending")
+    retain = sub.add_parser("retain", help="delete every tenant's rows older than its retention_days, in short batches")
+    retain.add_argument("--dry-run", action="store_true", help="count the expired rows; delete nothing")
+    retain.add_argument("--json", action="store_true", help="print the report as JSON")
 
 
 def _subject_args(parser: argparse.ArgumentParser, required: bool) -> None:
@@ -106,6 +113,8 @@ def subject_of(args: argparse.Namespace, settings: Any, command: str) -> Subject
 
 def main(args: argparse.Namespace, settings: Any) -> int:
     """``flywheel data ACTION``: the exit status (module docstring)."""
+    if args.action == "retain":
+        return _retain(settings, dry_run=args.dry_run, as_json=args.json)
     if args.action == "forget" and args.resume:
         if args.tenant or args.user or args.session:
             print("flywheel data forget: --resume takes no subject", file=sys.stderr)
@@ -183,6 +192,26 @@ def _forget(sessions: sessionmaker[Session], subject: Subject | None, by: str) -
         print(f"flywheel data forget: erasure {outcome.erasure_id}: {sum(outcome.counts.values())} rows deleted "
               f"({', '.join(f'{outcome.counts[k]} {k}' for k in KINDS)}); versions trained on this data: {trained} "
               "(weights are not unlearned; nothing of it stored here is trained on again)", file=sys.stderr)
+    return 0
+
+
+def _retain(settings: Any, *, dry_run: bool, as_json: bool) -> int:
+    from flywheel.db.session import make_session_factory, open_database
+    from flywheel.retention import run_once
+
+    engine = open_database(settings.database_url, settings.db.wait_s)
+    try:
+        report = run_once(settings.tenants, make_session_factory(engine), batch=settings.retention.batch,
+                          dry_run=dry_run)
+    finally:
+        engine.dispose()
+    if as_json:
+        print(json.dumps(report.as_json()))
+    else:
+        verb = "would delete" if dry_run else "deleted"
+        print(f"flywheel data retain: {verb} {report.rows} rows "
+              f"({', '.join(f'{n} {t}' for t, n in report.deleted.items())}) in {report.seconds:.1f} s "
+              f"({report.rows_per_s:.0f} rows/s)")
     return 0
 
 

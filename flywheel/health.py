@@ -1,4 +1,4 @@
-"""Liveness of the roles that serve no HTTP (ingest, rewards, trainer, rollout): heartbeat files.
+"""Liveness of the roles that serve no HTTP (ingest, rewards, trainer, rollout, janitor): heartbeat files.
 
 A worker's main loop calls :meth:`Beat.beat` on every turn. At most once a second that atomically
 rewrites ``{data_dir}/health/{role}-{hostname}.json`` with ``{"role", "host", "pid", "ts"}`` and
@@ -35,7 +35,7 @@ from typing import Any
 log = logging.getLogger("flywheel.health")
 
 #: The roles that beat; the others (gateway, node) answer ``GET /health`` instead.
-ROLES = ("ingest", "rewards", "trainer", "rollout")
+ROLES = ("ingest", "rewards", "trainer", "rollout", "janitor")
 #: Beats closer together than this are skipped (the file is rewritten at most once a second).
 MIN_INTERVAL_S = 1.0
 

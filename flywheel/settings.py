@@ -32,6 +32,7 @@ from flywheel.consent import TenantPolicy, check_tenants
 from flywheel.metrics import Declarations, Metrics, UndeclaredCustom
 from flywheel.promotion import MustNotLose, MustWin, check_gates
 from flywheel.release_windows import parse_windows, time_zone
+from flywheel.retention import RetentionSettings
 
 # Secrets ---------------------------------------------------------------------------------------
 
@@ -131,6 +132,8 @@ class BusSettings(_Section):
     #: arrive; a broker that holds the fetch to the end adds up to this much latency per stage.
     fetch_max_wait_ms: int = Field(100, ge=0, le=30_000)
     compression: Literal["none", "gzip", "zstd", "lz4", "snappy"] = "lz4"
+    #: How long the bus keeps a record: Kafka topics' retention.ms; the local log's segments.
+    retention_hours: float = Field(168.0, gt=0)
 
 
 class DatabaseSettings(_Section):
@@ -568,6 +571,7 @@ class Settings(BaseSettings):
     rewards: RewardSettings = RewardSettings()
     trainer: TrainerSettings = TrainerSettings()
     rollout: RolloutSettings = RolloutSettings()
+    retention: RetentionSettings = RetentionSettings()  # the janitor's schedule (flywheel/retention.py)
     #: Each tenant's data-use policy, ``"*"`` for those not listed (flywheel/consent.py).
     tenants: dict[str, TenantPolicy] = {}
 

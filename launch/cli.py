@@ -39,6 +39,7 @@ ROLES: dict[str, str] = {
     "ingest": "ingest.worker:run",
     "rewards": "rewards.worker:run",
     "trainer": "trainer.train:train",
+    "janitor": "flywheel.janitor:run",
 }
 
 #: roles that load the model: started with ``model.path`` filled (the stages refuse an empty one)
@@ -62,6 +63,7 @@ ROLE_HELP = {
     "ingest": "assemble sessions into trajectories, persist raw events",
     "rewards": "score trajectories with the reward spec",
     "trainer": "continuous async policy-gradient trainer that publishes versions",
+    "janitor": "periodic housekeeping: retention, the local bus's expired segments, stale erasures, the erasure sweep",
 }
 
 

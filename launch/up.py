@@ -49,7 +49,7 @@ log = logging.getLogger("flywheel.up")
 #: The chat completion that proves a node serves (:meth:`Stack.wait_ready`): one token.
 READY_PROBE = {"messages": [{"role": "user", "content": "ready?"}], "max_tokens": 1}
 
-ALL_ROLES = ("node", "gateway", "ingest", "rewards", "trainer", "rollout")
+ALL_ROLES = ("node", "gateway", "ingest", "rewards", "trainer", "rollout", "janitor")
 
 
 #: The model a role loads when ``model.path`` is empty: "module:function" taking ``(cache_dir,

@@ -48,7 +48,7 @@ def make_bus(settings: Settings) -> Bus:
     if bus.kind == "local":
         from flywheel.bus.locallog import LocalLogBus
 
-        return LocalLogBus(settings.bus_log_path, bus.partitions)
+        return LocalLogBus(settings.bus_log_path, bus.partitions, retention_s=bus.retention_hours * 3600)
     if bus.kind == "kafka":
         from flywheel.bus.kafka import KafkaBus
 
@@ -60,5 +60,6 @@ def make_bus(settings: Settings) -> Bus:
             max_poll_interval_ms=bus.max_poll_interval_ms,
             fetch_max_wait_ms=bus.fetch_max_wait_ms,
             compression=bus.compression,
+            retention_ms=int(bus.retention_hours * 3_600_000),
         )
     raise ValueError(f"unknown bus kind {bus.kind!r}")

@@ -25,8 +25,11 @@ Semantics, matching ``flywheel.bus.base``:
   The consumer stays in its group: no LeaveGroup, no rebalance.
 - ``dead_letter`` produces the raw record to ``<topic>.dlq`` (created on first use) and waits
   for the acknowledgement before returning.
-- ``ensure_topics`` creates missing topics with the bus's partition count; existing topics are
-  left as they are.
+- ``ensure_topics`` creates missing topics with the bus's partition count and, when the bus has a
+  retention (``bus.retention_hours``), the topic configs ``retention.ms`` (the broker deletes a
+  segment once its newest record is that old) and ``segment.ms`` (a quarter of it, at most a day:
+  a segment rolls within that time, so no record outlives the retention by more than one
+  segment's age); existing topics are left as they are (``kafka-configs --alter`` changes them).
 - ``lag`` reads offsets and joins no group: through the bus's admin client, the topics' partitions
   (metadata), the group's committed offsets (OffsetFetch at the group coordinator), each
   partition's earliest and latest offsets (ListOffsets); then the log end offset (high watermark)
@@ -70,6 +73,8 @@ COMMITTED_TIMEOUT_MS = 30_000
 #: The longest the admin client (``ensure_topics``, ``lag``) waits for one broker request, and for
 #: its first connection to the cluster, unless the bus is given ``admin_timeout_ms``.
 ADMIN_REQUEST_TIMEOUT_MS = 30_000
+#: The longest ``segment.ms`` a topic is created with (a day).
+SEGMENT_MS_MAX = 24 * 3600 * 1000
 
 
 def _decode(raw: bytes | None) -> str | None:
@@ -90,6 +95,7 @@ class KafkaBus:
         replication_factor: int = 1,
         client_id: str = "flywheel",
         admin_timeout_ms: int = ADMIN_REQUEST_TIMEOUT_MS,
+        retention_ms: int | None = None,
     ) -> None:
         self.bootstrap_servers = bootstrap_servers
         self.partitions = partitions
@@ -101,6 +107,7 @@ class KafkaBus:
         self.replication_factor = replication_factor
         self.client_id = client_id
         self.admin_timeout_ms = admin_timeout_ms
+        self.retention_ms = retention_ms
         self._admin: KafkaAdminClient | None = None
         self._ends: KafkaConsumer | None = None  # group-less, reads high watermarks for ``lag``
         self._ends_lock = threading.Lock()
@@ -122,10 +129,18 @@ class KafkaBus:
             if topic in self._known_topics:
                 continue
             try:
-                admin.create_topics([NewTopic(topic, self.partitions, self.replication_factor)])
+                admin.create_topics([NewTopic(topic, self.partitions, self.replication_factor,
+                                              topic_configs=self.topic_configs())])
             except TopicAlreadyExistsError:
                 pass  # the goal state: it exists (with whatever count it was created with)
             self._known_topics.add(topic)
+
+    def topic_configs(self) -> dict[str, str]:
+        """The configs a new topic is created with (module docstring): its retention, if any."""
+        if self.retention_ms is None:
+            return {}
+        segment_ms = max(1, min(self.retention_ms // 4, SEGMENT_MS_MAX))
+        return {"retention.ms": str(self.retention_ms), "segment.ms": str(segment_ms)}
 
     def producer(self, *, timeout_s: float | None = None) -> KafkaBusProducer:
         """An idempotent, acks=all producer; see the module docstring for ``timeout_s``."""

@@ -3,13 +3,17 @@
 Layout under the bus directory (``settings.bus_log_path``)::
 
     topics/<topic>/meta.json            {"partitions": N}, created once, atomically (link)
-    topics/<topic>/<p>.log              the partition: a sequence of frames, offsets 0, 1, 2, ...
+    topics/<topic>/<p>.log              the partition's first segment: frames, offsets 0, 1, 2, ...
+    topics/<topic>/<p>.<base>.log       its later segments, each from offset <base> on (segments.py)
     groups/<group>/members/<id>.member  one per live consumer; alive while its flock is held
     groups/<group>/<topic>/<p>.owner    flock held by the one consumer that owns the partition
     groups/<group>/<topic>/<p>.offset   committed {"offset", "position"}, replaced atomically
 
 Frames are ``flywheel.bus.frames``'s (length, crc32, offset, timestamp, key, headers, value); the
-offset inside a frame must equal the frame's index in the file.
+offset inside a frame must equal its segment's base plus the frame's index in the file.
+Segments roll and expire as ``flywheel.bus.segments`` says: a writer rolls the segment it appends
+to (by size, or by its first record's age), the ``janitor`` role deletes expired ones
+(:meth:`LocalLogBus.expire`). A log written before segments existed is one segment of base 0.
 
 Invariants and semantics:
 
@@ -30,18 +34,22 @@ Invariants and semantics:
   even when their views of the membership briefly differ. Ownership is re-evaluated only inside
   ``poll`` (at most every ``REBALANCE_INTERVAL_S``); a crashed process loses its locks at once.
   Members of one group are expected to subscribe to the same topics.
-- ``commit`` writes ``offset = last + 1`` and the byte position after that record to a temporary
+- ``commit`` writes ``offset = last + 1``, the byte position after that record and the base of its
+  segment (``segment``; absent in files written before segments: 0) to a temporary
   file, ``fsync``s it, ``os.replace``s it into place and ``fsync``s the directory: durable when
   ``commit`` returns. A new owner starts at the committed offset (seeking straight to the stored
-  position after checking the frame there; scanning once if the check fails), or at offset 0.
+  position in its segment after checking the frame there; scanning that segment once if the check
+  fails), or at the partition's first offset; a committed offset whose segment expired starts at the
+  oldest segment kept (the records in between are gone), as does a reader whose segment was deleted.
 - ``rewind`` puts every owned partition back at its committed offset (and byte position), as a new
   owner would start; the owner and member locks are kept, so no partition moves.
 - Topics are created on first ``send`` or by ``ensure_topics`` with the bus's partition count;
   an existing topic keeps the count it was created with.
 - ``lag`` reads a group's ``<p>.offset`` files as a new owner would (0 where none) and counts the
-  good frames of each partition file (its log end; a torn tail does not count, as readers stop
-  before it). It takes no file lock and creates nothing, so members are not disturbed. The bus remembers
-  where each partition's count ended, so a later ``lag`` scans only what was appended since.
+  good frames of each partition's newest segment from its base (its log end; a torn tail does not
+  count, as readers stop before it); a committed offset below the oldest segment counts from there.
+  It takes no file lock and creates nothing, so members are not disturbed. The bus remembers where
+  each partition's count ended, so a later ``lag`` scans only what was appended since.
 """
 
 from __future__ import annotations
@@ -61,6 +69,16 @@ from pathlib import Path
 
 from flywheel.bus.base import BusError, Record, dead_letter_headers, dlq_topic, partition_for_key
 from flywheel.bus.frames import CorruptLogError, encode_frame, fsync_dir, scan, try_lock, write_atomic
+from flywheel.bus.segments import (
+    SEGMENT_BYTES,
+    create,
+    end_of,
+    expire,
+    first_timestamp_ms,
+    segment_bases,
+    segment_path,
+    segment_s_for,
+)
 
 __all__ = ["CorruptLogError", "LocalLogBus", "LocalLogConsumer", "LocalLogProducer", "encode_frame", "scan"]
 
@@ -73,8 +91,6 @@ POLL_INTERVAL_S = 0.02
 _NAME = re.compile(r"^[A-Za-z0-9._-]{1,249}$")
 #: Uncommitted record end positions remembered per partition (older ones fall back to a scan).
 _MAX_TRACKED = 100_000
-#: Frames decoded at once while counting a partition's records for ``lag``.
-_COUNT_CHUNK = 1_000
 
 
 def _check_name(kind: str, name: str) -> str:
@@ -89,13 +105,19 @@ def _check_name(kind: str, name: str) -> str:
 class LocalLogBus:
     """Factory for producers and consumers over one bus directory."""
 
-    def __init__(self, root: str | os.PathLike[str], partitions: int = 4) -> None:
+    def __init__(self, root: str | os.PathLike[str], partitions: int = 4, *, retention_s: float | None = None,
+                 segment_bytes: int = SEGMENT_BYTES, segment_s: float | None = None) -> None:
+        """``retention_s``: what :meth:`expire` keeps (None: everything); a segment rolls at
+        ``segment_bytes`` or ``segment_s`` (default: from the retention, ``segments.segment_s_for``)."""
         if partitions < 1:
             raise ValueError("partitions must be at least 1")
         self.root = Path(root)
         self.partitions = partitions
+        self.retention_s = retention_s
+        self.segment_bytes = segment_bytes
+        self.segment_s = segment_s if segment_s is not None else segment_s_for(retention_s)
         self._counts: dict[str, int] = {}
-        self._ends: dict[tuple[str, int], tuple[int, int]] = {}  # (position, next offset) counted so far
+        self._ends: dict[tuple[str, int], tuple[int, int, int]] = {}  # (segment, position, next offset) so far
         self._ends_lock = threading.Lock()
         (self.root / "topics").mkdir(parents=True, exist_ok=True)
         (self.root / "groups").mkdir(parents=True, exist_ok=True)
@@ -151,76 +173,138 @@ class LocalLogBus:
             for topic in dict.fromkeys(topics):
                 total = 0
                 for partition in range(self.partition_count(topic, create=False) or 0):
-                    committed, _ = _read_committed(group_dir / topic / f"{partition}.offset")
-                    total += max(0, self._log_end(topic, partition) - committed)
+                    committed = _read_committed(group_dir / topic / f"{partition}.offset")[0]
+                    first, end = self._log_end(topic, partition)
+                    total += max(0, end - max(committed, first))
                 out[topic] = total
         except (OSError, ValueError, KeyError) as exc:
             raise BusError(f"cannot read the lag of group {group!r}: {exc}") from exc
         return out
 
-    def _log_end(self, topic: str, partition: int) -> int:
-        """The offset the next record appended to the partition gets (its good frames' count)."""
-        path = self.topic_dir(topic) / f"{partition}.log"
+    def _log_end(self, topic: str, partition: int) -> tuple[int, int]:
+        """The partition's first offset kept and the offset the next record appended gets."""
+        directory = self.topic_dir(topic)
         with self._ends_lock:
-            try:
-                fd = os.open(path, os.O_RDONLY)
-            except FileNotFoundError:
-                return 0
-            try:
-                position, next_offset = self._ends.get((topic, partition), (0, 0))
-                if os.fstat(fd).st_size < position:  # cannot happen unless the file was replaced
-                    position, next_offset = 0, 0
-                while True:
-                    found = scan(fd, position, next_offset, max_records=_COUNT_CHUNK, path=str(path))
-                    position, next_offset = found.position, found.next_offset
-                    if not found.frames:
-                        break
-            finally:
-                os.close(fd)
-            self._ends[(topic, partition)] = (position, next_offset)
-            return next_offset
+            for _ in range(3):  # the newest segment listed may be sealed and erased meanwhile
+                bases = segment_bases(directory, partition)
+                if not bases:
+                    return 0, 0
+                base, path = bases[-1], segment_path(directory, partition, bases[-1])
+                try:
+                    fd = os.open(path, os.O_RDONLY)
+                except FileNotFoundError:
+                    continue
+                try:
+                    known, position, next_offset = self._ends.get((topic, partition), (base, 0, base))
+                    if known != base or os.fstat(fd).st_size < position:  # a new segment (or a replaced file)
+                        position, next_offset = 0, base
+                    position, next_offset, _ = end_of(fd, base, path, position, next_offset)
+                finally:
+                    os.close(fd)
+                self._ends[(topic, partition)] = (base, position, next_offset)
+                return bases[0], next_offset
+            raise BusError(f"{directory}: partition {partition}'s segments kept changing while counted")
+
+    def expire(self, retention_s: float | None = None, now: float | None = None) -> dict[str, int]:
+        """Delete every partition's segments older than ``retention_s`` (default: the bus's), as
+        ``flywheel.bus.segments.expire`` says; how many segments and bytes went."""
+        retention_s = self.retention_s if retention_s is None else retention_s
+        out = {"segments": 0, "bytes": 0}
+        if retention_s is None:
+            return out
+        topics = self.root / "topics"
+        for topic in sorted(os.listdir(topics)):
+            for partition in range(self.partition_count(topic, create=False) or 0):
+                segments, erased = expire(topics / topic, partition, retention_s, now)
+                out["segments"] += segments
+                out["bytes"] += erased
+        if out["segments"]:
+            log.info("local bus: %d expired segments erased (%d bytes)", out["segments"], out["bytes"])
+        return out
 
     def close(self) -> None:
         """Nothing is held by the bus itself; producers and consumers close their own files."""
 
 
 class _Writer:
-    """Append end of one partition file, owned by one producer."""
+    """Append end of one partition, owned by one producer: its newest segment, rolled as it fills."""
 
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        created = not path.exists()
-        self.fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
-        if created:
-            fsync_dir(path.parent)
-        self.position = 0
-        self.next_offset = 0
+    def __init__(self, bus: LocalLogBus, directory: Path, partition: int) -> None:
+        self.bus, self.dir, self.partition = bus, directory, partition
+        bases = segment_bases(directory, partition)
+        self._open(bases[-1] if bases else 0)
         self.dirty = False
 
+    def _open(self, base: int) -> None:
+        self.path = segment_path(self.dir, self.partition, base)
+        created = not self.path.exists()
+        self.fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+        if created:
+            fsync_dir(self.dir)
+        self.base, self.position, self.next_offset = base, 0, base
+        self.first_ms: int | None = None
+
+    def _switch(self, base: int) -> None:
+        """Leave the current segment (synced if written) for segment ``base``."""
+        self.sync()
+        os.close(self.fd)
+        self._open(base)
+
+    def _full(self, size: int, now_ms: int) -> bool:
+        """Whether the segment should roll before the next append (segments.py)."""
+        if self.next_offset == self.base:
+            return False  # an empty segment never rolls
+        if size >= self.bus.segment_bytes:
+            return True
+        if self.bus.segment_s is None:
+            return False
+        if self.first_ms is None:
+            self.first_ms = first_timestamp_ms(self.fd, self.base, self.path)
+        return self.first_ms is not None and now_ms - self.first_ms >= self.bus.segment_s * 1000
+
     def append(self, key: str | None, value: bytes, headers: dict[str, str]) -> int:
-        fcntl.flock(self.fd, fcntl.LOCK_EX)
-        try:
-            size = os.fstat(self.fd).st_size
-            if size < self.position:  # cannot happen unless the file was replaced: start over
-                self.position, self.next_offset = 0, 0
-            if size != self.position:
-                found = scan(self.fd, self.position, self.next_offset, max_records=None, path=str(self.path))
-                self.position, self.next_offset = found.position, found.next_offset
-                if found.torn:
-                    # We hold the append lock, so no writer is mid-append: this is a crashed one's tail.
-                    log.warning("truncating torn tail of %s at byte %d", self.path, self.position)
-                    os.ftruncate(self.fd, self.position)
-            offset = self.next_offset
-            frame = encode_frame(offset, key, value, headers, int(time.time() * 1000))
-            written = os.write(self.fd, frame)
-            if written != len(frame):
-                raise BusError(f"{self.path}: short write ({written} of {len(frame)} bytes)")
-            self.position += len(frame)
-            self.next_offset += 1
-            self.dirty = True
-        finally:
-            fcntl.flock(self.fd, fcntl.LOCK_UN)
-        return offset
+        while True:
+            switch_to: int | None = None
+            fcntl.flock(self.fd, fcntl.LOCK_EX)
+            try:
+                stat = os.fstat(self.fd)
+                if stat.st_nlink == 0:  # expired and erased (segments.py): go on in the newest segment
+                    switch_to = segment_bases(self.dir, self.partition)[-1]
+                    continue
+                size = stat.st_size
+                if size < self.position:  # cannot happen unless the file was replaced: start over
+                    self.position, self.next_offset = 0, self.base
+                if size != self.position:
+                    found = scan(self.fd, self.position, self.next_offset, max_records=None, path=str(self.path))
+                    self.position, self.next_offset = found.position, found.next_offset
+                    if found.torn:
+                        # We hold the append lock, so no writer is mid-append: this is a crashed one's tail.
+                        log.warning("truncating torn tail of %s at byte %d", self.path, self.position)
+                        os.ftruncate(self.fd, self.position)
+                now_ms = int(time.time() * 1000)
+                if self.next_offset != self.base and segment_path(self.dir, self.partition, self.next_offset).exists():
+                    switch_to = self.next_offset  # sealed by another writer or the janitor
+                    continue
+                if self._full(self.position, now_ms):
+                    os.fsync(self.fd)
+                    create(self.dir, self.partition, self.next_offset)  # seals this segment
+                    switch_to = self.next_offset
+                    continue
+                offset = self.next_offset
+                frame = encode_frame(offset, key, value, headers, now_ms)
+                written = os.write(self.fd, frame)
+                if written != len(frame):
+                    raise BusError(f"{self.path}: short write ({written} of {len(frame)} bytes)")
+                self.position += len(frame)
+                self.next_offset += 1
+                self.dirty = True
+                if self.first_ms is None and offset == self.base:
+                    self.first_ms = now_ms
+                return offset
+            finally:
+                fcntl.flock(self.fd, fcntl.LOCK_UN)
+                if switch_to is not None:
+                    self._switch(switch_to)
 
     def sync(self) -> None:
         if self.dirty:
@@ -250,7 +334,7 @@ class LocalLogProducer:
         partition = partition_for_key(key, count) if key is not None else next(self._round_robin) % count
         writer = self._writers.get((topic, partition))
         if writer is None:
-            writer = _Writer(self._bus.topic_dir(topic) / f"{partition}.log")
+            writer = _Writer(self._bus, self._bus.topic_dir(topic), partition)
             self._writers[(topic, partition)] = writer
         writer.append(key, bytes(value), dict(headers or {}))
 
@@ -278,20 +362,32 @@ class _Owned:
     topic: str
     partition: int
     owner_fd: int
-    log_path: Path
+    log_dir: Path
     offset_path: Path
     log_fd: int | None = None
+    base: int = 0  # the segment ``log_fd`` reads
     position: int = 0
     next_offset: int = 0
     seeked: bool = False
-    committed: tuple[int, int | None] = (0, 0)
+    committed: tuple[int, int | None, int] = (0, 0, 0)  # offset, position, segment
     ends_base: int = 0
-    ends: list[int] = field(default_factory=list)
+    ends: list[tuple[int, int]] = field(default_factory=list)  # (segment, position) after each record read
 
-    def close(self) -> None:
+    @property
+    def log_path(self) -> Path:
+        return segment_path(self.log_dir, self.partition, self.base)
+
+    def sealed(self) -> bool:
+        """Whether the segment read is complete: its successor exists (segments.py)."""
+        return self.next_offset != self.base and segment_path(self.log_dir, self.partition, self.next_offset).exists()
+
+    def close_log(self) -> None:
         if self.log_fd is not None:
             os.close(self.log_fd)
             self.log_fd = None
+
+    def close(self) -> None:
+        self.close_log()
         os.close(self.owner_fd)  # releases the owner lock
 
 
@@ -347,13 +443,14 @@ class _Membership:
         os.close(self.fd)
 
 
-def _read_committed(path: Path) -> tuple[int, int | None]:
-    """A group's committed ``(offset, byte position)`` of one partition; ``(0, 0)`` where none."""
+def _read_committed(path: Path) -> tuple[int, int | None, int]:
+    """A group's committed ``(offset, byte position, segment)`` of one partition; ``(0, 0, 0)`` where none."""
     try:
         data = json.loads(path.read_text())
     except FileNotFoundError:
-        return (0, 0)
-    return int(data["offset"]), (None if data.get("position") is None else int(data["position"]))
+        return (0, 0, 0)
+    position = None if data.get("position") is None else int(data["position"])
+    return int(data["offset"]), position, int(data.get("segment", 0))
 
 
 def _mtime(path: Path) -> float:
@@ -390,8 +487,8 @@ class LocalLogConsumer:
         if state is None:
             return False
         if state.log_fd is None:
-            return not state.log_path.exists()  # no record was ever written there
-        return state.seeked and os.fstat(state.log_fd).st_size <= state.position
+            return not segment_bases(state.log_dir, partition)  # no record was ever written there
+        return state.seeked and os.fstat(state.log_fd).st_size <= state.position and not state.sealed()
 
     def _target(self) -> set[tuple[str, int]]:
         pairs = []
@@ -413,40 +510,50 @@ class LocalLogConsumer:
             fd = try_lock(state_dir / f"{partition}.owner")
             if fd is None:
                 continue  # the previous owner has not let go yet; retry at the next rebalance
-            owned = _Owned(
-                topic,
-                partition,
-                fd,
-                self._bus.topic_dir(topic) / f"{partition}.log",
-                state_dir / f"{partition}.offset",
-            )
+            owned = _Owned(topic, partition, fd, self._bus.topic_dir(topic), state_dir / f"{partition}.offset")
             owned.committed = _read_committed(owned.offset_path)
             owned.next_offset = owned.ends_base = owned.committed[0]
             self._owned[(topic, partition)] = owned
             log.debug("group %s: %s acquired %s", self.group, self._member.member_id, (topic, partition))
 
     def _open_log(self, owned: _Owned) -> bool:
-        """Open the partition file and seek to the committed offset; False if it does not exist yet."""
-        if owned.log_fd is None:
-            try:
-                owned.log_fd = os.open(owned.log_path, os.O_RDONLY)
-            except FileNotFoundError:
-                return False
+        """Open the segment of the offset to read from, seeked there; False if it does not exist yet.
+
+        Where: the committed offset (and its stored position, checked), or after a rewind the same;
+        ``owned.next_offset`` once its segment was erased under the reader."""
         if owned.seeked:
-            return True
-        offset, position = owned.committed
-        if offset == 0:
+            return owned.log_fd is not None
+        offset, position, segment = owned.committed if owned.next_offset == owned.committed[0] else (
+            owned.next_offset, None, -1)
+        bases = segment_bases(owned.log_dir, owned.partition)
+        if not bases:
+            return False
+        if offset < bases[0]:  # expired: the records in between are gone
+            log.warning("group %s: %s offsets %d to %d expired before they were read", self.group,
+                        (owned.topic, owned.partition), offset, bases[0] - 1)
+            offset, position, segment = bases[0], 0, bases[0]
+            owned.next_offset = owned.ends_base = offset
+            owned.ends = []
+        base = max(b for b in bases if b <= offset)
+        owned.close_log()
+        owned.base = base
+        try:
+            owned.log_fd = os.open(owned.log_path, os.O_RDONLY)
+        except FileNotFoundError:
+            return False  # erased meanwhile: look again at the next read
+        if offset == base:
             owned.position, owned.seeked = 0, True
             return True
-        if position is not None and self._position_holds(owned.log_fd, position, offset, owned.log_path):
+        if segment == base and position is not None and self._position_holds(owned.log_fd, position, offset,
+                                                                             owned.log_path):
             owned.position, owned.seeked = position, True
             return True
-        # Scan once from the start to find the committed offset.
-        pos, nxt = 0, 0
+        # Scan the segment once from its start to find the offset.
+        pos, nxt = 0, base
         while nxt < offset:
             found = scan(owned.log_fd, pos, nxt, max_records=min(10_000, offset - nxt), path=str(owned.log_path))
             if not found.frames:
-                break  # fewer records than the committed offset (yet): wait at the end
+                break  # fewer records than the offset (yet): wait at the end
             pos, nxt = found.position, found.next_offset
         if nxt < offset:
             return False
@@ -498,8 +605,19 @@ class LocalLogConsumer:
                 out.append(
                     Record(state.topic, state.partition, decoded.offset, decoded.key, decoded.value, decoded.headers)
                 )
-                state.ends.append(end)
+                state.ends.append((state.base, end))
             state.position, state.next_offset = found.position, found.next_offset
+            if not found.frames:
+                if state.sealed():  # on to the next segment (segments.py), read at the next look
+                    state.close_log()
+                    state.base, state.position = state.next_offset, 0
+                    try:
+                        state.log_fd = os.open(state.log_path, os.O_RDONLY)
+                    except FileNotFoundError:  # already expired too: seek again (_open_log)
+                        state.seeked = False
+                elif os.fstat(state.log_fd).st_nlink == 0:  # erased under us: seek again (_open_log)
+                    state.close_log()
+                    state.seeked = False
             if len(state.ends) > _MAX_TRACKED:
                 drop = len(state.ends) // 2
                 del state.ends[:drop]
@@ -515,6 +633,7 @@ class LocalLogConsumer:
             state.seeked = False
             state.next_offset = state.ends_base = state.committed[0]
             state.ends = []
+            state.close_log()
 
     def commit(self, records: Sequence[Record]) -> None:
         last: dict[tuple[str, int], int] = {}
@@ -532,13 +651,14 @@ class LocalLogConsumer:
                 )
                 continue
             index = offset - state.ends_base
-            position = None
+            segment, position = 0, None
             if 0 <= index < len(state.ends):
-                position = state.ends[index]
+                segment, position = state.ends[index]
                 del state.ends[: index + 1]
                 state.ends_base = offset + 1
-            write_atomic(state.offset_path, json.dumps({"offset": offset + 1, "position": position}).encode())
-            state.committed = (offset + 1, position)
+            write_atomic(state.offset_path,
+                         json.dumps({"offset": offset + 1, "position": position, "segment": segment}).encode())
+            state.committed = (offset + 1, position, segment)
 
     def dead_letter(self, record: Record, reason: str) -> None:
         if self._dlq is None:

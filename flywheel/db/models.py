@@ -93,6 +93,7 @@ class Generation(Base):
         Index("ix_generations_user", "tenant", "user_hash"),
         # The rollout controller compares versions over a window: generations per version since a time.
         Index("ix_generations_version", "model_line", "model_version", "ts"),
+        Index("ix_generations_ts", "ts"),  # the retention job: the oldest rows first (flywheel/retention.py)
     )
 
 
@@ -116,6 +117,7 @@ class Feedback(Base):
         UniqueConstraint("tenant", "feedback_id", name="uq_feedback_tenant_feedback_id"),
         Index("ix_feedback_session", "tenant", "session_id"),
         Index("ix_feedback_generation", "generation_id"),  # the feedback a generation got (console)
+        Index("ix_feedback_ts", "ts"),  # the retention job
     )
 
 
@@ -157,6 +159,7 @@ class Trajectory(Base):
         UniqueConstraint("trajectory_id", "revision", name="uq_trajectory_revision"),
         # The operator console: a session's trajectories (by id: uq_trajectory_revision's prefix).
         Index("ix_trajectories_session", "tenant", "session_id"),
+        Index("ix_trajectories_ts", "ts"),  # the retention job
     )
 
 
@@ -175,6 +178,7 @@ class ScoredTrajectoryRow(Base):
 
     __table_args__ = (
         UniqueConstraint("trajectory_id", "revision", "reward_spec_version", name="uq_scored_revision_spec"),
+        Index("ix_scored_trajectories_ts", "ts"),  # the retention job
     )
 
 

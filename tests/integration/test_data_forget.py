@@ -92,6 +92,22 @@ def test_a_crash_mid_deletion_leaves_it_pending_and_resume_completes_it_with_exa
     assert outcome.counts == {kind: total.get(kind, 0) for kind in KINDS}
 
 
+def test_the_janitor_completes_an_erasure_its_process_left_pending_once_it_is_stale(stored, tmp_path) -> None:  # noqa: F811
+    from datetime import UTC, datetime
+
+    from flywheel.janitor import tasks
+
+    sessions = stored
+    young = erasure.request(sessions, Subject("acme", session_id="s4"), "ops")
+    stale = erasure.request(sessions, Subject("acme", session_id="s1"), "ops")  # its gateway died
+    with sessions() as db, db.begin():
+        db.get(Erasure, stale).requested_at = datetime.now(UTC) - erasure.STALE_AFTER * 2
+    turns = dict(tasks(load_settings(None, data_dir=str(tmp_path)), sessions, None))
+    assert turns["erasure_resume"]() == [stale]  # the young one may still be completing elsewhere
+    assert erasure.pending(sessions) == [young] and rows_of(sessions, Subject("acme", session_id="s1")) == {}
+    assert turns["erasure_sweep"]() == 0  # nothing stored since
+
+
 def test_on_sqlite_the_deleted_text_leaves_the_file_and_its_log(sqlite_url: str) -> None:
     from datetime import UTC, datetime
 

@@ -274,7 +274,7 @@ def test_stages_without_http_are_checked_by_their_heartbeat(role):
     args = build_parser().parse_args(test[2:])  # the check is a real `flywheel health` command line
     assert args.command == "health" and args.role == role
     # Longer than any pause a healthy loop makes between beats (see the comments in the file).
-    assert args.max_age_s >= {"ingest": 60, "rewards": 120, "trainer": 600, "rollout": 30}[role]
+    assert args.max_age_s >= {"ingest": 60, "rewards": 120, "trainer": 600, "rollout": 30, "janitor": 60}[role]
     scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
     assert scripts["flywheel"] == "launch.cli:main"
 
