@@ -4,8 +4,9 @@ feedback, assembled from its parts.
 ``create_app(settings)`` builds the app: its lifespan opens the clients and serving classes
 (:func:`serving.gateway.services.open_services`) and closes them in reverse order; the error
 handlers (:mod:`serving.errors`) turn every exception into one OpenAI envelope; the routers are
-mounted: :mod:`serving.gateway.api_router` (the OpenAI API, health, metrics) and
-:mod:`serving.gateway.admin_router` (capture depth, pins, the line's versions) and
+mounted: :mod:`serving.gateway.api_router` (the OpenAI API, health, metrics),
+:mod:`serving.gateway.admin_router` (capture depth, pins, the line's versions),
+:mod:`serving.gateway.data_router` (end users' data: erase, export) and
 :mod:`serving.console.router` (the operator console under ``/console``); the OpenAPI
 document gains the request bodies (:mod:`serving.gateway.openapi`). ``producer_factory`` replaces
 the bus producer (tests inject a broken one).
@@ -44,7 +45,7 @@ from flywheel.settings import Settings
 from serving.console import router as console_router
 from serving.console.pages import LagReader
 from serving.errors import APIError, install_error_handlers, state_unavailable
-from serving.gateway import admin_router, api_router, openapi
+from serving.gateway import admin_router, api_router, data_router, openapi
 from serving.gateway.metrics import GatewayMetrics
 from serving.gateway.services import open_services
 from serving.gateway.state import StateUnavailable
@@ -136,6 +137,7 @@ def create_app(settings: Settings, *, producer_factory: Callable[[], Any] | None
     app.add_middleware(SessionEcho, metrics=metrics)
     app.include_router(api_router.router)
     app.include_router(admin_router.router)
+    app.include_router(data_router.router)
     app.include_router(console_router.router)
     openapi.install(app)
     return app

@@ -4,8 +4,8 @@
 the database (API keys, ownership, the registry), the live state (sessions, rate limits, pins),
 the live heartbeats behind the version router, and the upstream connection pool, and reads the
 user-id secret (``flywheel.identity.load_secret``: made on first start); then builds each serving
-class once with those clients injected. It closes them in reverse order, also when start-up
-fails half-way. The routers reach the result through :func:`services`.
+class once with those clients injected (and starts the data-rights erasure worker). It closes
+them in reverse order, also when start-up fails half-way. The routers reach the result through :func:`services`.
 
 Invariants:
 - The capture opens first and closes last: a response is never released without its event in the
@@ -31,6 +31,7 @@ from flywheel.live import make_live
 from flywheel.settings import Settings
 from serving.gateway.auth import Access, KeyStore, Ownership
 from serving.gateway.completions import CompletionServing
+from serving.gateway.data import DataServing
 from serving.gateway.feedback import FeedbackServing
 from serving.gateway.metrics import GatewayMetrics
 from serving.gateway.routing import Router
@@ -52,6 +53,7 @@ class Services:
     access: Access
     completions: CompletionServing
     feedback: FeedbackServing
+    data: DataServing
 
 
 def services(request: Request) -> Services:
@@ -84,5 +86,8 @@ async def open_services(settings: Settings, metrics: GatewayMetrics,
         user_secret = await asyncio.to_thread(load_secret, settings.gateway.user_id_secret, settings.data_path)
         completions = CompletionServing(settings, metrics, capture, state, router, http, user_secret)
         feedback = FeedbackServing(settings, state, ownership, completions.submit, metrics)
+        data = DataServing(settings, sessions, user_secret)
+        data.start()
+        stack.callback(data.close)
         yield Services(settings, metrics, capture, state, sessions, router, Access(settings.gateway, keys, state),
-                       completions, feedback)
+                       completions, feedback, data)
