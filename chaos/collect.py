@@ -5,7 +5,7 @@ every session closed, every trajectory scored); :func:`converge_nodes` lets the 
 stable version; :func:`rescore` runs ``flywheel rewards rescore`` under a copy of the live spec;
 :func:`collect` reads the database, the node logs, the node watcher and every dead-letter topic
 (:func:`dead_letters`; where a poison record has no dead letter, :func:`find_poison` looks for it
-on its own topic).
+on its own topic) and the erasures with what is left of their subjects (:func:`read_forgotten`).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import httpx
 
 from chaos.diagnose import read_topic
 from chaos.fleet import NODES, Fleet, NodeWatcher, node_logs
+from chaos.forgotten import ErasureRow, ForgetSubject, Forgotten, TopicRecord, trajectory_ids_of
 from chaos.invariants import (
     DeadLetter,
     Expectation,
@@ -68,24 +69,27 @@ def _counts(engine: Any, spec: str | None) -> dict[str, int]:
 
 
 def settle(fleet: Fleet, users: Users, engine: Any, timeout_s: float) -> dict[str, Any]:
-    """Wait until the spool is drained, every received generation and accepted feedback is stored,
-    every session closed and every trajectory scored, unchanged over two polls; returns the figures."""
+    """Wait until the spool is drained, every received generation and accepted feedback is stored
+    (but those of sessions an erasure tombstoned), every session closed and every trajectory scored,
+    unchanged over two polls; returns the figures."""
     from sqlalchemy import select
 
-    from flywheel.db.models import Generation, RewardSpecRow
+    from flywheel.db.models import ErasureSession, Generation, RewardSpecRow
 
     started = time.monotonic()
     deadline = started + timeout_s
     previous: dict[str, Any] | None = None
     figures: dict[str, Any] = {}
-    received = set(users.log.received)
+    received = {gid: r.session_id for gid, r in users.log.received.items()}
     while time.monotonic() < deadline:
         try:
             depth = fleet.capture()
             with engine.connect() as conn:
                 spec = conn.scalar(select(RewardSpecRow.version).order_by(RewardSpecRow.created_at).limit(1))
                 stored = {gid for (gid,) in conn.execute(select(Generation.generation_id))}
-            figures = {**_counts(engine, spec), "spool": depth.get("events"), "received_missing": len(received - stored)}
+                erased = set(conn.scalars(select(ErasureSession.session_id)))
+            missing = [gid for gid, sid in received.items() if gid not in stored and sid not in erased]
+            figures = {**_counts(engine, spec), "spool": depth.get("events"), "received_missing": len(missing)}
         except Exception as exc:  # a service still recovering
             figures = {"error": f"{type(exc).__name__}: {exc}"}
             time.sleep(1.0)
@@ -159,7 +163,7 @@ def _utc(value: datetime) -> datetime:
 def _version_row(r: Any, rebuild_error: str | None) -> VersionRow:
     metrics = r.metrics or {}
     return VersionRow(r.version, r.kind, r.parent, r.sha256, r.status, tuple(metrics.get("trajectory_ids") or ()),
-                      metrics.get("publish_token"), rebuild_error)
+                      metrics.get("publish_token"), rebuild_error, _utc(r.created_at) if r.created_at else None)
 
 
 def _headers(record: Any) -> dict[str, str]:
@@ -203,9 +207,39 @@ def find_poison(settings: Settings, poison: list[PoisonRecord]) -> dict[str, lis
     return found
 
 
+def read_forgotten(conn: Any, settings: Settings, subjects: list[ForgetSubject]) -> Forgotten:
+    """The erasures, their tombstoned sessions, the trained rows still naming those sessions'
+    trajectories and the records of those sessions on the ``trajectories`` and ``scored`` topics."""
+    from sqlalchemy import select
+
+    from flywheel.db.models import Erasure, ErasureSession, TrainedTrajectory
+
+    erasures = [ErasureRow(r.id, r.tenant, r.user_hash, r.session_id, r.state, _utc(r.requested_at),
+                           _utc(r.completed_at) if r.completed_at else None, dict(r.counts or {}),
+                           tuple(int(v["version"]) for v in r.trained_into or ()))
+                for r in conn.execute(select(Erasure).order_by(Erasure.id))]
+    sessions = {}
+    for r in conn.execute(select(ErasureSession).order_by(ErasureSession.added_at)):
+        sessions.setdefault((r.tenant, r.session_id), (int(r.erasure_id), _utc(r.added_at)))
+    out = Forgotten(erasures, sessions, subjects=list(subjects))
+    ids = trajectory_ids_of(out)
+    if ids:
+        out.trained = {tid: int(v) for tid, v in conn.execute(
+            select(TrainedTrajectory.trajectory_id, TrainedTrajectory.version)
+            .where(TrainedTrajectory.trajectory_id.in_(list(ids))))}
+        wanted = {sid for _, sid in sessions}
+        for name in ("trajectories", "scored"):
+            for record in read_topic(settings.bus.bootstrap_servers, settings.topic(name)):
+                sid = (record.key or b"").decode("utf-8", errors="replace")
+                if sid in wanted:
+                    out.records.append(TopicRecord(name, sid, f"{name}[{record.partition}]@{record.offset}",
+                                                   datetime.fromtimestamp(record.timestamp / 1000, UTC)))
+    return out
+
+
 def collect(fleet: Fleet, users: Users, watcher: NodeWatcher, engine: Any, registry: Any, rescore_spec: str,
             expectations: list[Expectation], settled: dict[str, Any],
-            poison: list[PoisonRecord] | None = None) -> Snapshot:
+            poison: list[PoisonRecord] | None = None, subjects: list[ForgetSubject] | None = None) -> Snapshot:
     """Read the database, the node logs, the watcher and the dead-letter topics into a :class:`Snapshot`."""
     from sqlalchemy import select
 
@@ -225,6 +259,7 @@ def collect(fleet: Fleet, users: Users, watcher: NodeWatcher, engine: Any, regis
                                         .where(VersionTransition.model_line == fleet.base.model.line,
                                                VersionTransition.to_status.in_(("canary", "stable")))):
             promoted_at[version] = min(promoted_at.get(version, _utc(at)), _utc(at))
+        forgotten = read_forgotten(conn, fleet.base, subjects or [])
     loaded, live = node_logs(fleet)
     for name in NODES:
         for version, shas in watcher.live[name].items():
@@ -248,7 +283,7 @@ def collect(fleet: Fleet, users: Users, watcher: NodeWatcher, engine: Any, regis
     return Snapshot(users.log, generations, feedback, session_status, trajectories, scored, live_spec, rescore_spec,
                     versions, ever_stable, promoted_at, {n: dict(v) for n, v in loaded.items()}, live,
                     dict(watcher.last), expectations, settled, poison, letters,
-                    find_poison(fleet.base, missing) if missing else {})
+                    find_poison(fleet.base, missing) if missing else {}, forgotten)
 
 
 def reread(s: Snapshot, database_url: str) -> None:

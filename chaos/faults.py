@@ -4,23 +4,27 @@ A fault function gets a :class:`Chaos` (the services, the fleet, the proxies, th
 random generator and the traffic window), injects its faults at moments in the window, writes what
 it did with :meth:`Chaos.note` and what each fault must cause with :meth:`Chaos.expect` (checked as
 ``fault_checks``); a fault that writes poison onto the bus lists it in :attr:`Chaos.poison` (checked
-as ``poison_dead_lettered``). It returns early once the scenario ends (:meth:`Chaos.at` is False).
+as ``poison_dead_lettered``); one that erases an end user lists it in :attr:`Chaos.subjects`
+(checked as ``forgotten_leave_no_trace``). It returns early once the scenario ends (:meth:`Chaos.at`
+is False).
 """
 
 from __future__ import annotations
 
+import contextlib
 import random
 import signal
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
 
 from chaos.collect import registry_for
 from chaos.fleet import NODES, WORKERS, Fleet, NodeWatcher
+from chaos.forgotten import ForgetSubject
 from chaos.invariants import Expectation, PoisonRecord
 from chaos.proxy import UpstreamFaults, UpstreamProxy
 from chaos.services import Services
@@ -40,6 +44,7 @@ class Chaos:
         self.faults: list[str] = []
         self.expectations: list[Expectation] = []
         self.poison: list[PoisonRecord] = []  # what a rogue producer wrote and the broker acknowledged
+        self.subjects: list[ForgetSubject] = []  # the end users a fault erased
         self.t0 = time.monotonic()
         self.stop = threading.Event()
 
@@ -115,32 +120,44 @@ def fault_sigterm(c: Chaos) -> None:
     _each_role_type(c, term)
 
 
-def fault_broker_outage(c: Chaos) -> None:
-    """The broker unavailable under load, twice, 5 s each: frozen (SIGSTOP) and every connection to
-    it aborted (``ss -K``), so its clients' connections reset and their new ones hang unanswered;
-    then resumed (SIGCONT) with its log and group state as they were."""
+@contextlib.contextmanager
+def broker_away(c: Chaos) -> Iterator[None]:
+    """The broker frozen (SIGSTOP) and every connection to it aborted (``ss -K``), so its clients'
+    connections reset and their new ones hang unanswered, for the ``with`` block; then resumed
+    (SIGCONT) with its log and group state as they were."""
     broker = c.services.broker
+    broker.freeze()
+    try:
+        cut = broker.cut_connections()
+        c.note(f"broker frozen (SIGSTOP), {cut} connection socket(s) aborted")
+        c.expect("the broker's connections were cut", cut > 0, f"{cut} socket(s) aborted by ss -K")
+        yield
+    finally:
+        broker.thaw()
+    c.note("broker resumed (SIGCONT)")
+
+
+def expect_spooling(c: Chaos, into: float) -> None:
+    """Expect the gateway to be spooling (its bus down, events waiting), ``into`` s into an outage."""
+    try:
+        capture = c.fleet.capture()
+    except (httpx.HTTPError, ValueError) as exc:
+        capture = {"error": str(exc)}
+    c.expect("while the broker is away the gateway spools",
+             capture.get("bus_up") is False and capture.get("events", 0) > 0,
+             f"capture {into:g} s into the outage: bus_up {capture.get('bus_up')}, {capture.get('events')} "
+             "event(s) spooled")
+
+
+def fault_broker_outage(c: Chaos) -> None:
+    """The broker unavailable under load (:func:`broker_away`), twice, 5 s each."""
     for moment in (0.2, 0.5):
         if not c.at(moment):
             return
-        broker.freeze()
-        try:
-            cut = broker.cut_connections()
-            c.note(f"broker frozen (SIGSTOP), {cut} connection socket(s) aborted")
-            c.expect("the broker's connections were cut", cut > 0, f"{cut} socket(s) aborted by ss -K")
+        with broker_away(c):
             c.sleep(3.0)
-            try:
-                capture = c.fleet.capture()
-            except (httpx.HTTPError, ValueError) as exc:
-                capture = {"error": str(exc)}
-            c.expect("while the broker is away the gateway spools",
-                     capture.get("bus_up") is False and capture.get("events", 0) > 0,
-                     f"capture 3 s into the outage: bus_up {capture.get('bus_up')}, {capture.get('events')} "
-                     "event(s) spooled")
+            expect_spooling(c, 3.0)
             c.sleep(2.0)
-        finally:
-            broker.thaw()
-        c.note("broker resumed (SIGCONT)")
 
 
 def fault_postgres(c: Chaos) -> None:

@@ -24,6 +24,10 @@
   good record is dead-lettered. Trivially true where no poison was produced and nothing dead-lettered.
 - ``recovered``: once the faults were healed, the system caught up within the settle timeout.
 - ``fault_checks``: what each fault must cause (the scenario's :class:`Expectation` list).
+- ``forgotten_leave_no_trace``: an erased subject's sessions left nothing stored, nothing produced
+  after the erasure completed, nothing trained later (:mod:`chaos.forgotten`). The invariants above
+  are checked without those sessions' client-side items (:func:`without_forgotten`): their rows are
+  gone by design. Trivially true where nothing was erased.
 
 ``lost`` counts client-acknowledged items missing downstream (responses without a generation row,
 accepted feedback neither joined nor expired, generations in no trajectory, revisions never
@@ -34,11 +38,12 @@ that exist more than once. :func:`lost_items` lists the lost items for :func:`ch
 from __future__ import annotations
 
 from collections import Counter, defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Any
 
 from chaos.fleet import NODES
+from chaos.forgotten import Forgotten, check_no_trace, sessions_of, trajectory_ids_of
 from chaos.users import ClientLog
 from flywheel.events import FeedbackEvent, GenerationEvent, TrajectoryEvent
 from ingest.assemble import assemble  # pure: the replay of what ingest did
@@ -101,6 +106,7 @@ class VersionRow:
     trajectory_ids: tuple[str, ...]
     publish_token: str | None
     rebuild_error: str | None  # None: the store rebuilds it to its sha256 now (checked for served versions)
+    created_at: datetime | None = None  # when it was published (UTC)
 
 
 #: What a poison record must become: dead-lettered by the stage that reads its topic, or (only for
@@ -160,6 +166,8 @@ class Snapshot:
     dead_letters: list[DeadLetter] = field(default_factory=list)  # every dead-letter topic, read to the end
     #: poison id -> where it is on its own topic (``feedback[2]@153``), for those no dead letter names.
     poison_found: dict[str, list[str]] = field(default_factory=dict)
+    #: Erasures, the sessions they tombstoned and what is left of them (``forgotten_leave_no_trace``).
+    forgotten: Forgotten = field(default_factory=Forgotten)
 
 
 @dataclass
@@ -447,17 +455,44 @@ def check_expectations(s: Snapshot) -> InvariantResult:
     return InvariantResult("fault_checks", not failed, detail)
 
 
+def check_forgotten(s: Snapshot) -> InvariantResult:
+    ok, detail = check_no_trace(s.forgotten, s.generations, s.feedback, s.session_status, s.trajectories, s.scored,
+                                s.versions)
+    return InvariantResult("forgotten_leave_no_trace", ok, detail)
+
+
+def without_forgotten(s: Snapshot) -> Snapshot:
+    """``s`` without what clients sent in the tombstoned sessions (received, failed, accepted
+    feedback) and without their trajectories in the versions' ``trajectory_ids``: an erasure deletes
+    their rows, which the other invariants would count lost or unknown."""
+    gone = sessions_of(s.forgotten)
+    if not gone:
+        return s
+    c = s.client
+    client = ClientLog(received={g: r for g, r in c.received.items() if r.session_id not in gone},
+                       failures=[f for f in c.failures if f.session_id not in gone],
+                       feedback={f: sid for f, sid in c.feedback.items() if sid not in gone},
+                       feedback_refused=c.feedback_refused, sessions=c.sessions - gone)
+    ids = trajectory_ids_of(s.forgotten)
+    versions = [replace(v, trajectory_ids=tuple(t for t in v.trajectory_ids if t not in ids)) for v in s.versions]
+    return replace(s, client=client, versions=versions)
+
+
 CHECKS = (check_captured, check_feedback, check_trajectories, check_scores, check_weights, check_rollout,
           check_trainer, check_poison, check_recovered, check_expectations)
 
 
 def check(s: Snapshot) -> list[InvariantResult]:
-    """Every invariant over ``s`` (the module docstring says what each means)."""
-    return [fn(s) for fn in CHECKS]
+    """Every invariant over ``s`` (the module docstring says what each means): the :data:`CHECKS`
+    without the tombstoned sessions, then ``forgotten_leave_no_trace`` over everything."""
+    kept = without_forgotten(s)
+    return [fn(kept) for fn in CHECKS] + [check_forgotten(s)]
 
 
 def lost_items(s: Snapshot) -> dict[str, list[Any]]:
-    """The client-acknowledged items missing downstream (what :func:`diagnose` looks for)."""
+    """The client-acknowledged items missing downstream (what :func:`diagnose` looks for), but
+    for the tombstoned sessions'."""
+    s = without_forgotten(s)
     gens = {g.generation_id for g in s.generations}
     fbs = {f.feedback_id: f.state for f in s.feedback}
     live = {(r.trajectory_id, r.revision) for r in s.scored if r.spec == s.live_spec}

@@ -225,7 +225,7 @@ class ChaosRun:
             result.figures["client_errors"] = users.log.errors()
             result.figures["proxy"] = {n: dict(p.counts) for n, p in proxies.items()}
             return collect(fleet, users, watcher, engine, registry, rescore_spec, chaos.expectations,
-                           result.figures["settle"], chaos.poison)
+                           result.figures["settle"], chaos.poison, chaos.subjects)
         finally:
             engine.dispose()
 

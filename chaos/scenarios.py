@@ -18,6 +18,7 @@ from chaos.faults import (
     fault_store_full,
     fault_upstream,
 )
+from chaos.forget_faults import fault_forget
 from chaos.poison_faults import fault_poison
 from chaos.version_faults import CANARY_SETTINGS, fault_bad_canary, fault_bad_delta, fault_node_mid_update
 
@@ -49,5 +50,7 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
     Scenario("node_mid_update", "kill -9 node mid-update", fault_node_mid_update),
     Scenario("upstream_faults", "slow / erroring / disconnecting upstream", fault_upstream),
     Scenario("poison", "rogue bus records + bad API requests; kill -9 ingest, rewards, trainer", fault_poison),
+    Scenario("forget_under_faults", "an end user forgotten mid-session: broker away, kill -9 forget, ingest, "
+             "rewards, trainer; --resume", fault_forget, min_seconds=60.0),
 )}
 QUICK = ("kill9", "upstream_faults")

@@ -2,9 +2,10 @@
 
 Each user holds one session after another (the reactions of :func:`demo.users.react`), a
 third of the completions streamed, each user sending its own API key when the gateway runs with
-auth on. A response counts as received when it is a 200 with its generation header (a stream: once
-``data: [DONE]`` arrived); feedback is retried until the gateway accepts it (202), its ids making
-retries safe. Everything else is a :class:`Failure`.
+auth on and naming its end user (OpenAI's ``user``: ``chaos-user-<i>``, :meth:`Users.end_user`), as a
+product names the person behind a request. A response counts as received when it is a 200 with its
+generation header (a stream: once ``data: [DONE]`` arrived); feedback is retried until the gateway
+accepts it (202), its ids making retries safe. Everything else is a :class:`Failure`.
 """
 
 from __future__ import annotations
@@ -91,13 +92,18 @@ class Users:
         for t in self._threads:
             t.join(max(0.1, deadline - time.monotonic()))
 
+    @staticmethod
+    def end_user(index: int) -> str:
+        """The end-user id simulated user ``index`` sends (stable across its sessions)."""
+        return f"chaos-user-{index}"
+
     def _user(self, index: int) -> None:
         rng = random.Random(self.seed * 100_003 + index)
         headers = {"Authorization": f"Bearer {self.keys[index % len(self.keys)]}"} if self.keys else {}
         with httpx.Client(base_url=self.gateway, timeout=self.timeout_s, headers=headers) as client:
             while not self._stop.is_set():
                 try:
-                    self._session(client, rng)
+                    self._session(client, rng, self.end_user(index))
                 except Exception as exc:  # never let a user thread die: that would stop the traffic
                     log.warning("chaos user %d: %s: %s", index, type(exc).__name__, exc)
                     self._stop.wait(0.5)
@@ -106,7 +112,7 @@ class Users:
         with self.log.lock:
             self.log.failures.append(Failure(session_id, kind, status, code))
 
-    def _session(self, client: httpx.Client, rng: random.Random) -> None:
+    def _session(self, client: httpx.Client, rng: random.Random, user: str) -> None:
         from demo.tinymodel.task import RETRY_MESSAGE, is_correct, traffic_problem, user_message
         from demo.users import Behaviour, react
 
@@ -119,7 +125,7 @@ class Users:
         for attempt in range(behaviour.max_attempts):
             if self._stop.is_set():
                 return
-            got = self.chat(client, session_id, messages, stream=rng.random() < 1 / 3)
+            got = self.chat(client, session_id, messages, stream=rng.random() < 1 / 3, user=user)
             if got is None:
                 self._stop.wait(0.3)
                 return
@@ -132,11 +138,13 @@ class Users:
             messages = messages + [{"role": "assistant", "content": text}, {"role": "user", "content": RETRY_MESSAGE}]
 
     def chat(self, client: httpx.Client, session_id: str, messages: list[dict[str, str]],
-             stream: bool) -> tuple[str, str] | None:
-        """One completion in ``session_id``: (its text, its generation id) once received, else None
-        (a :class:`Failure` logged)."""
-        body = {"model": self.model_line, "messages": messages, "max_tokens": self.max_tokens, "temperature": 1.0,
-                "stream": stream}
+             stream: bool, user: str | None = None) -> tuple[str, str] | None:
+        """One completion in ``session_id`` for end user ``user`` (OpenAI's ``user``; None names no
+        one): (its text, its generation id) once received, else None (a :class:`Failure` logged)."""
+        body: dict[str, Any] = {"model": self.model_line, "messages": messages, "max_tokens": self.max_tokens,
+                                "temperature": 1.0, "stream": stream}
+        if user is not None:
+            body["user"] = user
         headers = {SESSION_HEADER: session_id}
         try:
             if not stream:
