@@ -40,6 +40,9 @@ Invariants:
   heartbeating within ``node_ttl_s`` reports live, the last ``keep_rollback`` formerly stable
   versions, and every ancestor their chains need. Collected versions keep their row (status
   ``collected``, audited) so version numbers and the audit log stay whole.
+- A sharded version (:meth:`Registry.publish_manifest`, from trainer ranks that each wrote and
+  verified one shard) is a row like any other whose object is a manifest of shard objects
+  (:mod:`flywheel.weights.shards`); loads and garbage collection follow the manifest to its shards.
 - :meth:`Registry.squash` encodes one delta between any two versions, verified like a publish.
 - :meth:`Registry.shipped` reports, read-only, the bytes a node moving to each version fetches,
   the average over its chain, and what each region's cache recorded pulling
@@ -66,6 +69,7 @@ from flywheel.weights.codec.container import read_delta_header
 from flywheel.weights.codec.delta import apply_delta, encode_delta_with_summary
 from flywheel.weights.codec.state import DeltaError, state_sha256, tensor_digests
 from flywheel.weights.codec.stats import count_changed
+from flywheel.weights.shards import SUFFIX, check_manifest, is_manifest, load_sharded, object_keys, read_manifest
 from flywheel.weights.shipping import ShippedBytes, shipped_bytes
 from flywheel.weights.store import RegionalCache, Store, StoreError, validate_key
 
@@ -436,26 +440,69 @@ class Registry:
             self.store.put(key, data)
             try:
                 self._verify_object(key, kind, sha, parent_state, parent_sha)
-                row = ModelVersion(
-                    model_line=self.model_line, version=version, kind=kind,
-                    parent=parent,
-                    sha256=sha, store_key=key, bytes=len(data), full_bytes=full_bytes,
-                    fraction_changed=fraction, train_step=train_step, metrics=dict(metrics or {}),
-                    status="candidate", created_at=datetime.now(UTC),
-                )
-                with self._sessions() as session, session.begin():
-                    session.add(row)
-                    session.add(self._transition(version, None, "candidate", f"published ({kind})", row.created_at))
-                    session.flush()
-                    record_trained(session, self.model_line, version, trained, row.created_at)
-                    info = _info(row)
+                return self._insert(ModelVersion(
+                    model_line=self.model_line, version=version, kind=kind, parent=parent, sha256=sha, store_key=key,
+                    bytes=len(data), full_bytes=full_bytes, fraction_changed=fraction, train_step=train_step,
+                    metrics=dict(metrics or {}), status="candidate", created_at=datetime.now(UTC)), trained)
             except IntegrityError:
                 self.store.delete(key)  # another publisher took this number: try the next one
-                continue
             except BaseException:
                 self.store.delete(key)
                 raise
-            return info
+        raise WeightsError(
+            f"could not allocate a version number for {self.model_line!r} after {_PUBLISH_ATTEMPTS} attempts"
+        )
+
+    def _insert(self, row: ModelVersion, trained: list[str]) -> VersionInfo:
+        """Insert a published version's row, its audit row and its trained trajectories, at once."""
+        with self._sessions() as session, session.begin():
+            session.add(row)
+            session.add(self._transition(row.version, None, "candidate", f"published ({row.kind})", row.created_at))
+            session.flush()
+            record_trained(session, self.model_line, row.version, trained, row.created_at)
+            return _info(row)
+
+    def sharded_kind(self, parent: int | None, delta_bytes: int | None = None, full_bytes: int = 0) -> str:
+        """What the next sharded version on ``parent`` is stored as (trainer/shard_publish.py asks
+        before its ranks encode, and again with the shards' total ``delta_bytes``): ``full`` when it
+        must be an anchor or a delta of that size does not pay (:meth:`_delta_pays`), else ``delta``."""
+        if parent is None or self._next_version() % self.full_every == 0:
+            return "full"
+        if delta_bytes is not None and not self._delta_pays(parent, delta_bytes, full_bytes):
+            return "full"
+        return "delta"
+
+    def publish_manifest(self, manifest: bytes, *, parent: int | None, train_step: int | None = None,
+                         metrics: dict[str, Any] | None = None) -> VersionInfo:
+        """Store a sharded version (:mod:`.shards`: its shards uploaded and each read back and
+        rebuilt by the rank that wrote it) as the next version: the manifest is uploaded, read back
+        and checked to compose to its hash, with every shard present, and then the row is inserted.
+        A delta manifest must be on ``parent`` (its recorded hash) and never lands on an anchor number."""
+        trained = trained_ids(metrics)
+        parsed = read_manifest(manifest)
+        if parsed.kind == "delta" and (parent is None or self.get(parent).sha256 != parsed.base_sha256):
+            raise WeightsError(f"the sharded delta is not on version {parent}'s recorded hash")
+        for _ in range(_PUBLISH_ATTEMPTS):
+            version = self._next_version()
+            if parsed.kind == "delta" and version % self.full_every == 0:
+                raise WeightsError(f"v{version} must be an anchor; the sharded delta was planned for another number")
+            key = f"{self.model_line}/v{version:08d}-{secrets.token_hex(4)}.{parsed.kind}{SUFFIX}"
+            self.store.put(key, manifest)
+            try:
+                check_manifest(self.store, key, parsed.sha256)
+                return self._insert(ModelVersion(
+                    model_line=self.model_line, version=version, kind=parsed.kind, parent=parent, sha256=parsed.sha256,
+                    store_key=key, bytes=len(manifest) + parsed.stored_bytes, full_bytes=parsed.raw_bytes,
+                    fraction_changed=parsed.fraction_changed, train_step=train_step, metrics=dict(metrics or {}),
+                    status="candidate", created_at=datetime.now(UTC)), trained)
+            except IntegrityError:
+                self.store.delete(key)
+            except DeltaError as exc:
+                self.store.delete(key)
+                raise WeightsError(f"sharded version {key!r} failed verification: {exc}") from exc
+            except BaseException:
+                self.store.delete(key)
+                raise
         raise WeightsError(
             f"could not allocate a version number for {self.model_line!r} after {_PUBLISH_ATTEMPTS} attempts"
         )
@@ -532,25 +579,31 @@ class Registry:
             if not chain:
                 return {name: t.detach().cpu().clone() for name, t in state.items()}
         else:
-            data = self._fetch(current)
-            try:
-                state, got = read_full(data)
-            except DeltaError as exc:
-                raise WeightsError(f"version {current.version} ({current.store_key}): {exc}") from exc
-            if got != current.sha256:
-                raise WeightsError(f"version {current.version} ({current.store_key}) does not match its recorded hash")
+            state = self._rebuild(current, None, None)
 
         state_sha = current.sha256
         for info in reversed(chain):
-            data = self._fetch(info)
-            try:
-                if read_delta_header(data)[0].target_sha256 != info.sha256:
-                    raise DeltaError("delta's target hash differs from the registry's")
-                state = apply_delta(state, data, old_sha256=state_sha)
-            except DeltaError as exc:
-                raise WeightsError(f"version {info.version} ({info.store_key}): {exc}") from exc
+            state = self._rebuild(info, state, state_sha)
             state_sha = info.sha256
         return state
+
+    def _rebuild(self, info: VersionInfo, base: State | None, base_sha: str | None) -> State:
+        """One version's weights from its object: an anchor, or a delta on ``base`` (hash
+        ``base_sha``), or a manifest of either's shards (:mod:`.shards`); the row's hash checked."""
+        data = self._fetch(info)
+        try:
+            if is_manifest(info.store_key):
+                return load_sharded(self.store, data, sha256=info.sha256, base=base, base_sha256=base_sha)
+            if info.kind == "full":
+                state, got = read_full(data)
+                if got != info.sha256:
+                    raise DeltaError("does not match its recorded hash")
+                return state
+            if base is None or read_delta_header(data)[0].target_sha256 != info.sha256:
+                raise DeltaError("delta's target hash differs from the registry's")
+            return apply_delta(base, data, old_sha256=base_sha)
+        except DeltaError as exc:
+            raise WeightsError(f"version {info.version} ({info.store_key}): {exc}") from exc
 
     def _fetch(self, info: VersionInfo) -> bytes:
         if info.status == "collected":
@@ -618,7 +671,8 @@ class Registry:
                     continue  # promoted (or collected) meanwhile: leave it
                 session.add(self._transition(info.version, row.status, "collected", "garbage collection", now))
                 row.status = "collected"
-            self.store.delete(info.store_key)  # after the row says so: a load never finds half a version
+            for key in object_keys(self.store, info.store_key):  # after the row says so: a load never finds half a version
+                self.store.delete(key)
         return [i.version for i in doomed]
 
 

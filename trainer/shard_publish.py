@@ -1,0 +1,165 @@
+"""Sharded publishing under torchrun: each rank codes, uploads and checks its own shard; rank 0 writes the manifest.
+
+:meth:`ShardedPublisher.publish` is a collective (every rank calls it, in the same place of the
+loop) that stores the model's bf16 export as one sharded version (:mod:`flywheel.weights.shards`)
+without any process holding the whole state:
+
+1. Each rank exports the tensors it owns (:func:`~flywheel.weights.shards.owners`, by bytes): the
+   FSDP2 shards of each parameter are all-gathered one tensor at a time and only the owner keeps
+   the bf16 copy, so a rank holds its own shard plus one fp32 tensor in flight (under DDP every
+   rank has every tensor already).
+2. Rank 0 plans the version (one small broadcast): a random token for the shard keys and the kind,
+   ``delta`` when the registry allows it on ``parent`` and the ranks' previous shards (their hashes
+   gathered as per-tensor entries, no tensor) compose to the parent's recorded hash, else ``full``
+   (anchors: the first version, an anchor number, a restart or a new world size).
+3. Each rank codes its shard (a delta against its own previous shard, or an anchor), uploads it,
+   reads it back and rebuilds it, every hash checked; only the :class:`ShardMeta` is gathered.
+   When the deltas together would not pay (``Registry.sharded_kind``), every rank codes an anchor
+   instead.
+4. Rank 0 stores the manifest through ``Registry.publish_manifest`` (upload, read back, insert the
+   row) and broadcasts the version (or the failure) to every rank; only then does each rank keep
+   its new shard as the next version's base.
+
+A failure anywhere (a rank's encode, upload or read-back, the manifest, the row) is gathered and
+raised on every rank as :class:`~flywheel.weights.registry.WeightsError`, so the ranks leave the
+collective together and the job ends as an inline publish failure would; objects already uploaded
+are deleted (best effort) and no row exists. A rank killed mid-publish ends the job through
+torchrun: its peers' collective fails, the manifest is never written, and nodes keep serving what
+they serve (the shards uploaded so far stay unreferenced, like an interrupted upload's object).
+
+Only full-parameter policies publish sharded (a LoRA export merges or selects tensors that no
+rank owns as such; adapter versions are small anyway).
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from flywheel.weights.codec.state import combine_digests, tensor_digests
+from flywheel.weights.registry import Registry, State, VersionInfo, WeightsError
+from flywheel.weights.shards import ShardMeta, encode_shard, entries_of, manifest_bytes, owners, rebuild_shard, shard_key
+from flywheel.weights.store import Store
+from trainer.distributed import Dist, unwrap
+
+log = logging.getLogger("flywheel.trainer")
+
+
+class ShardedPublisher:
+    """This rank's part of sharded publishing (module docstring); ``registry`` on rank 0 only."""
+
+    def __init__(self, dist: Dist, model: torch.nn.Module, store: Store, model_line: str,
+                 registry: Registry | None = None) -> None:
+        if dist.is_main and registry is None:
+            raise ValueError("rank 0 publishes through the registry")
+        self.dist, self.store, self.model_line, self.registry = dist, store, model_line, registry
+        sizes = {name: p.numel() * 2 for name, p in unwrap(model).named_parameters()}  # bf16 bytes
+        #: The rank that owns each tensor of the export (the same map on every rank).
+        self.owner = owners(sizes, dist.world_size)
+        #: This rank's shard of the last version it published or started from (bf16), and its entries.
+        self.previous: State | None = None
+        self._previous_entries: list[Any] | None = None
+
+    def export(self, model: torch.nn.Module) -> State:
+        """This rank's tensors of the bf16 export (``flywheel.lm.export_state``'s names and values);
+        a collective under FSDP2: every rank calls it."""
+        out: State = {}
+        with torch.no_grad():
+            for name, p in unwrap(model).named_parameters():
+                t = p.detach()
+                if isinstance(t, DTensor):
+                    t = t.full_tensor()  # every rank, in the same order; only the owner keeps it
+                if self.owner[name] == self.dist.rank:
+                    out[name] = t.to(device="cpu", dtype=torch.bfloat16).contiguous()
+                del t
+        return out
+
+    def start(self, model: torch.nn.Module) -> None:
+        """Take this rank's shard of the weights the model holds now (the version it was loaded
+        from) as the next delta's base; a collective."""
+        self.previous, self._previous_entries = self.export(model), None
+
+    def publish(self, model: torch.nn.Module, *, parent: int | None, train_step: int | None = None,
+                metrics: dict[str, Any] | None = None) -> VersionInfo:
+        """Store the model's export as the next version on ``parent`` (module docstring); a
+        collective. Returns the version on every rank, or raises :class:`WeightsError` on every rank."""
+        dist = self.dist
+        shard = self.export(model)
+        held = dist.all_gather_object(self._entries())
+        plan: dict[str, Any] | None = None
+        if dist.is_main:
+            assert self.registry is not None
+            kind = self.registry.sharded_kind(parent)
+            base_sha = self.registry.get(parent).sha256 if parent is not None else None
+            if kind == "delta" and (any(e is None for e in held)
+                                    or combine_digests([x for e in held for x in e]) != base_sha):
+                log.info("the ranks do not hold v%s's shards: publishing sharded anchors", parent)
+                kind = "full"
+            plan = {"token": secrets.token_hex(6), "kind": kind, "base_sha256": base_sha if kind == "delta" else None}
+        plan = dist.broadcast_object(plan)
+        assert plan is not None
+        metas = self._upload(shard, plan["token"], plan["kind"])
+        if plan["kind"] == "delta":
+            redo = None
+            if dist.is_main:
+                assert self.registry is not None
+                raw = sum(int(t[3]) for m in metas for t in m.tensors)
+                redo = self.registry.sharded_kind(parent, sum(m.bytes for m in metas), raw) == "full"
+            if dist.broadcast_object(redo):  # the deltas cost about as much as anchors: store anchors
+                self.store.delete(metas[dist.rank].key)
+                plan = {**plan, "kind": "full", "base_sha256": None}
+                metas = self._upload(shard, plan["token"], "full")
+        outcome: VersionInfo | str | None = None
+        if dist.is_main:
+            assert self.registry is not None
+            try:
+                outcome = self.registry.publish_manifest(manifest_bytes(plan["kind"], plan["base_sha256"], metas),
+                                                         parent=parent, train_step=train_step, metrics=metrics)
+            except Exception as exc:  # handed to every rank, raised there
+                outcome = f"{type(exc).__name__}: {exc}"
+                for meta in metas:
+                    self._forget(meta.key)
+        outcome = dist.broadcast_object(outcome)
+        if not isinstance(outcome, VersionInfo):
+            raise WeightsError(f"sharded publish failed: {outcome}")
+        self.previous, self._previous_entries = shard, metas[dist.rank].tensors
+        return outcome
+
+    def _entries(self) -> list[Any] | None:
+        """The entries of this rank's previous shard (hashed once, on first use), or None."""
+        if self._previous_entries is None and self.previous is not None:
+            self._previous_entries = [list(e) for e in entries_of(self.previous, tensor_digests(self.previous))]
+        return None if self._previous_entries is None else [
+            (n, d, tuple(s), int(b), h if isinstance(h, bytes) else bytes.fromhex(h))
+            for n, d, s, b, h in self._previous_entries]
+
+    def _upload(self, shard: State, token: str, kind: str) -> list[ShardMeta]:
+        """Code, upload and read back this rank's shard; every rank's meta, in rank order (a
+        collective). Any rank's failure is raised on every rank."""
+        dist = self.dist
+        key = shard_key(self.model_line, token, dist.rank, dist.world_size, kind)
+        result: ShardMeta | str
+        try:
+            blob, meta = encode_shard(shard, self.previous if kind == "delta" else None, rank=dist.rank, key=key)
+            self.store.put(key, blob)
+            del blob
+            rebuild_shard(self.store, meta, self.previous)  # read back: every hash checked
+            result = meta
+        except Exception as exc:  # gathered: every rank raises it below
+            result = f"rank {dist.rank}: {type(exc).__name__}: {exc}"
+        results = dist.all_gather_object(result)
+        errors = [r for r in results if isinstance(r, str)]
+        if errors:
+            self._forget(key)
+            raise WeightsError("sharded publish failed: " + "; ".join(errors))
+        return results  # type: ignore[return-value]
+
+    def _forget(self, key: str) -> None:
+        try:
+            self.store.delete(key)
+        except Exception:  # best effort: an unreferenced object is harmless
+            log.warning("could not delete shard object %s", key, exc_info=True)
