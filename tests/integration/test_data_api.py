@@ -3,7 +3,8 @@ real HTTP) on SQLite and PostgreSQL, over test_data_export.py's rows: an admin's
 the rows in the background and its audit shows the counts and the versions trained on them; an
 export streams the subject's rows as ``flywheel data export`` writes them; a tenant's key reaches
 its own tenant's users only, never another's or the admin routes; bad subjects are 400s naming the
-field; and a forged ``X-Flywheel-Data`` header does not loosen a tenant's policy."""
+field; a forged ``X-Flywheel-Data`` header does not loosen a tenant's policy; and a gateway killed
+with -9 mid-erasure leaves it pending, for the janitor to complete."""
 
 from __future__ import annotations
 
@@ -198,3 +199,51 @@ def test_a_forged_data_header_does_not_loosen_a_tenants_policy(api: Api) -> None
         assert r.status_code == 200 and r.headers[consent.USE_HEADER] == "none", r.text
         r = keep.post("/v1/chat/completions", json=body)
         assert r.status_code == 200 and r.headers[consent.USE_HEADER] == "store_only", r.text
+
+
+def test_a_gateway_killed_mid_erasure_leaves_it_pending_and_the_janitor_completes_it(
+        stored, migrated_db_url: str, tmp_path) -> None:  # noqa: F811
+    import os
+    import subprocess
+    import sys
+    from datetime import UTC, datetime
+    from pathlib import Path
+
+    from flywheel import erasure
+    from flywheel.janitor import tasks
+    from testbed.procs import free_port
+
+    before = rows_of(stored, ALICE)
+    _, admin_key = create_key(stored, "ops", role="admin", name="dpo")
+    port, log = free_port(), tmp_path / "gateway.log"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLYWHEEL_")}
+    env.update(FLYWHEEL_DATA_DIR=str(tmp_path / "data"), FLYWHEEL_DB__URL=migrated_db_url, FLYWHEEL_BUS__KIND="local",
+               FLYWHEEL_LIVE__KIND="memory", FLYWHEEL_GATEWAY__AUTH="on", FLYWHEEL_GATEWAY__USER_ID_SECRET=SECRET)
+    with running(CannedUpstream()) as (_, upstream_url), open(log, "ab") as out:
+        gateway = subprocess.Popen([sys.executable, "-m", "launch.cli", "gateway", "--port", str(port),
+                                    "--upstream", upstream_url], cwd=Path(__file__).resolve().parents[2], env=env,
+                                   stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        try:
+            url = f"http://127.0.0.1:{port}"
+            wait_until("the gateway", lambda: gateway.poll() is None and httpx.get(f"{url}/health").status_code == 200
+                       or gateway.poll() is not None, timeout_s=60)
+            assert gateway.poll() is None, log.read_text()
+            r = httpx.post(f"{url}/admin/data/forget", json={"tenant": "acme", "user": RAW},
+                           headers={"Authorization": f"Bearer {admin_key}"}, timeout=30)
+            assert r.status_code == 202, r.text
+            erasure_id = r.json()["id"]
+            # the first pass deletes; the second waits erasure.SETTLE_S: killed in between
+            wait_until("the first deletion pass", lambda: rows_of(stored, ALICE) == {}, timeout_s=erasure.SETTLE_S)
+        finally:
+            gateway.kill()
+            gateway.wait(10)
+    assert erasure.pending(stored) == [erasure_id]  # never half: pending, its tombstone holding
+    turns = dict(tasks(load_settings(None, data_dir=str(tmp_path / "janitor")), stored, None))
+    assert turns["erasure_resume"]() == []  # younger than erasure.STALE_AFTER: its gateway may still finish it
+    with stored() as db, db.begin():
+        db.get(Erasure, erasure_id).requested_at = datetime.now(UTC) - erasure.STALE_AFTER
+    assert turns["erasure_resume"]() == [erasure_id]
+    with stored() as db:
+        row = db.get(Erasure, erasure_id)
+        assert row.state == "done" and row.counts["generation"] == before["generation"] == 4, row.counts
+    assert rows_of(stored, ALICE) == {}
