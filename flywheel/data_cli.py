@@ -202,7 +202,7 @@ def _retain(settings: Any, *, dry_run: bool, as_json: bool) -> int:
     engine = open_database(settings.database_url, settings.db.wait_s)
     try:
         report = run_once(settings.tenants, make_session_factory(engine), batch=settings.retention.batch,
-                          dry_run=dry_run)
+                          rest=settings.retention.rest, dry_run=dry_run)
     finally:
         engine.dispose()
     if as_json:

@@ -46,7 +46,7 @@ def tasks(settings: Settings, sessions: sessionmaker[Session], bus: Bus | None,
 
     out: list[tuple[str, Callable[[], Any]]] = [
         ("retention", lambda: retention.run_once(settings.tenants, sessions, batch=settings.retention.batch,
-                                                 progress=beat)),
+                                                 rest=settings.retention.rest, progress=beat)),
     ]
     expire = getattr(bus, "expire", None)
     if expire is not None:

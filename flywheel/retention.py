@@ -20,8 +20,11 @@ the record that was trained on) and a score its trajectory, as each tenant chose
 Invariants:
 - At most ``batch`` rows per statement and per transaction, the oldest first on the tables' ``ts``
   indexes (revision 0011): the hot tables are never locked for long, and the gateway's and ingest's
-  writers wait for one batch at most. A crash loses nothing but the batch in flight: the job is
-  idempotent (what is gone is not found again) and the next run goes on.
+  writers wait for one batch at most. After each batch the job rests ``rest`` times as long as the
+  batch took (``retention.rest``), so on a busy machine it takes a bounded share of the CPU and the
+  disk, not all it can get: the hot path's latency stays near its own (bench/retention.py). A crash
+  loses nothing but the batch in flight: the job is idempotent (what is gone is not found again) and
+  the next run goes on.
 - On SQLite the deleting connections set ``PRAGMA secure_delete`` (freed pages are zeroed) and the
   write-ahead log is checkpointed and truncated at the end, as an erasure does (flywheel/erasure.py).
 - Pure of settings IO: the caller passes the tenants' policies and the session factory; ``now`` is
@@ -49,12 +52,14 @@ log = logging.getLogger(__name__)
 
 #: Rows deleted per statement (and per transaction).
 BATCH = 2_000
+#: Seconds the janitor's job rests per second of deleting (module docstring).
+REST = 1.5
 #: The tables the job deletes from, in the order it visits them (the report's keys).
 TABLES = ("scored_trajectories", "trajectories", "trained_trajectories", "generations", "feedback", "sessions")
 
 
 class RetentionSettings(BaseModel):
-    """``[retention]``: how often the ``janitor`` role runs the job, and its batch size."""
+    """``[retention]``: how often the ``janitor`` role runs the job, its batch size and its rests."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -62,6 +67,8 @@ class RetentionSettings(BaseModel):
     interval_s: float = Field(3600.0, gt=0)
     #: Rows deleted per statement and transaction.
     batch: int = Field(BATCH, ge=1, le=100_000)
+    #: Seconds of rest after each batch per second the batch took (0: delete flat out).
+    rest: float = Field(REST, ge=0, le=100)
 
 
 @dataclass
@@ -117,10 +124,12 @@ def cutoffs(tenants: Mapping[str, TenantPolicy], kind: str, now: datetime) -> li
 
 
 def run_once(tenants: Mapping[str, TenantPolicy], sessions: sessionmaker[Session], now: datetime | None = None,
-             *, batch: int = BATCH, dry_run: bool = False, progress: Callable[[], object] | None = None) -> Report:
+             *, batch: int = BATCH, rest: float = 0.0, dry_run: bool = False,
+             progress: Callable[[], object] | None = None) -> Report:
     """Delete every expired row (module docstring); ``dry_run`` counts them instead (each table as
     it stands: the trained and session rows that a run's own deletions free are not counted).
-    ``progress`` is called after every batch (the janitor's heartbeat)."""
+    After each batch the job sleeps ``rest`` times as long as the batch took. ``progress`` is
+    called after every batch (the janitor's heartbeat)."""
     if batch < 1:
         raise ValueError("batch must be at least 1")
     now = now or datetime.now(UTC)
@@ -133,12 +142,15 @@ def run_once(tenants: Mapping[str, TenantPolicy], sessions: sessionmaker[Session
                     report.deleted[table] += _count(sessions, plan)
                     continue
                 while True:
+                    took = time.perf_counter()
                     deleted = _delete_batch(sessions, plan, batch, report)
                     report.batches += 1
                     if progress is not None:
                         progress()
                     if deleted < batch:
                         break
+                    if rest > 0:
+                        time.sleep(rest * (time.perf_counter() - took))
     if not dry_run and report.rows and _is_sqlite(sessions):
         _checkpoint(sessions)
     report.seconds = time.perf_counter() - started
