@@ -10,6 +10,7 @@ import random
 from collections import Counter
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import pytest
 from sqlalchemy import func, select
@@ -62,6 +63,15 @@ def session(session_id: str, user: str | None, start: datetime, turns: int, rng:
     s.feedback.append(feedback("acme", session_id, f"o-{session_id}", "outcome", "task_solved", 1.0,
                                start + timedelta(seconds=turns)))
     return s
+
+
+def ingested(h: Harness, session_id: str, start: datetime, rng: random.Random) -> Any:
+    """Produce and ingest (store, close) one whole session of alice's; ingest's consumer."""
+    traffic = session(session_id, ALICE, start, 1, rng)
+    produce(h.settings, traffic.events)
+    consumer = h.consumer("t-ingest", "generations", "feedback")
+    h.ingest(consumer, h.drain(consumer, len(traffic.events)))
+    return consumer
 
 
 def rows(sessions, subject: Subject) -> dict[str, int]:
@@ -168,10 +178,7 @@ def test_the_second_pass_deletes_what_a_stage_stored_before_it_saw_the_tombstone
     h, rng = harness, random.Random(10)
     sessions = make_session_factory(h.engine)
     start = datetime.now(UTC) - timedelta(seconds=30)
-    first = session("p1", ALICE, start, 1, rng)
-    produce(h.settings, first.events)
-    consumer = h.consumer("t-ingest", "generations", "feedback")
-    h.ingest(consumer, h.drain(consumer, len(first.events)))
+    consumer = ingested(h, "p1", start, rng)
     late = session("p2", ALICE, start + timedelta(seconds=5), 1, rng)  # sent before the request, ingested after it
     h.ingestor.tombstones = Tombstones(sessions, refresh_s=3600.0)  # a stage a refresh behind the erasure
     h.ingestor.tombstones.refresh()
@@ -197,10 +204,7 @@ def test_the_janitors_sweep_deletes_what_a_stage_stored_late_and_keeps_the_users
     h, rng = harness, random.Random(11)
     sessions = make_session_factory(h.engine)
     start = datetime.now(UTC) - timedelta(seconds=30)
-    old = session("q1", ALICE, start, 1, rng)
-    produce(h.settings, old.events)
-    consumer = h.consumer("t-ingest", "generations", "feedback")
-    h.ingest(consumer, h.drain(consumer, len(old.events)))
+    consumer = ingested(h, "q1", start, rng)
     h.ingestor.tombstones = Tombstones(sessions, refresh_s=3600.0)  # a stage that was down through the erasure
     h.ingestor.tombstones.refresh()
     erasure_id = erasure.request(sessions, Subject("acme", user_hash=ALICE), "dpo")
@@ -223,10 +227,7 @@ def test_scores_and_trained_rows_stored_after_the_trajectories_went_are_found_by
     h, rng = harness, random.Random(12)
     sessions = make_session_factory(h.engine)
     start = datetime.now(UTC) - timedelta(seconds=30)
-    gone = session("r1", ALICE, start, 1, rng)
-    produce(h.settings, gone.events)
-    consumer = h.consumer("t-ingest", "generations", "feedback")
-    h.ingest(consumer, h.drain(consumer, len(gone.events)))
+    ingested(h, "r1", start, rng)
     erasure_id = erasure.request(sessions, Subject("acme", user_hash=ALICE), "dpo")
     erasure.complete(sessions, erasure_id, settle_s=0)
     # a rewards worker and a trainer a refresh behind store the session's score and training afterwards
