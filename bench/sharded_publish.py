@@ -1,11 +1,11 @@
 """Rank 0's peak RSS during a delta publish under torchrun: sharded (trainer/shard_publish.py) vs a full gather.
 
 Each mode is its own ``torchrun --nproc_per_node N`` job on CPU (gloo, FSDP2), in the same run,
-on the same locally built Llama (``--size``: ``small`` ~106M parameters, ``tiny`` for tests; built
-from a config with a fixed seed, never downloaded). Every rank wraps the model, allocates AdamW's
-moments (what a training rank holds), and the job publishes v0 (a full version) and then, after a
-deterministic elementwise change of about one weight in eight (the same whatever the sharding),
-v1 as a delta on v0, into its own SQLite registry and folder store:
+on the same locally built Llama (``--size``: ``small`` ~106M parameters, ``medium`` ~0.44B,
+``tiny`` for tests; built from a config with a fixed seed, never downloaded). Every rank wraps the
+model, allocates AdamW's moments (what a training rank holds), and the job publishes v0 (a full
+version) and then, after a deterministic elementwise change of about one weight in eight (the same
+whatever the sharding), v1 as a delta on v0, into its own SQLite registry and folder store:
 
 - ``gather``: what the trainer does today: ``Dist.full_state_dict`` (the fp32 master on rank 0),
   its bf16 export, ``Registry.publish`` against the parent's export rank 0 keeps (the trainer's
@@ -49,6 +49,8 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 MODES = ("gather", "gather+adam", "sharded")
 SIZES = {
+    "medium": {"vocab_size": 32000, "hidden_size": 1536, "intermediate_size": 4096, "num_hidden_layers": 12,
+               "num_attention_heads": 12},
     "small": {"vocab_size": 32000, "hidden_size": 768, "intermediate_size": 2048, "num_hidden_layers": 8,
               "num_attention_heads": 12},
     "tiny": {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
