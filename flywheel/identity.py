@@ -35,6 +35,9 @@ log = logging.getLogger(__name__)
 
 #: The request header that names the end user (as OpenAI's ``user`` body field does).
 USER_HEADER = "X-Flywheel-User"
+#: The longest end-user id a request may name: the same on completions and the data routes, so an
+#: id the gateway took can always be exported and erased by it.
+MAX_USER_CHARS = 1024
 #: The generated secret's file name under ``data_dir``.
 SECRET_FILE = "user_id_secret"
 #: The fewest characters a secret may have (the generated one has 64 hex digits: 256 bits).
@@ -115,17 +118,28 @@ def _create(path: Path) -> bool:
         temp.unlink(missing_ok=True)
 
 
+class EndUserError(ValueError):
+    """A request's end user cannot be taken: ``code`` is the gateway's error code for it."""
+
+    def __init__(self, message: str, code: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
 def end_user(body_user: object, header_user: str | None) -> str | None:
     """The raw end-user id a request names: its ``user`` body field or its user header, or None.
 
-    Raises ``ValueError`` (the gateway's 400 naming ``user``) when the body's ``user`` is not a
-    string, or when both are given and differ: attributing the request to either one silently
-    would file a person's data under someone else, where erasing by their id would miss it."""
+    Raises :class:`EndUserError` (the gateway's 400 naming ``user``) when the body's ``user`` is not
+    a string or either id is longer than :data:`MAX_USER_CHARS` (``invalid_user``), or when both
+    are given and differ (``user_conflict``): attributing the request to either one silently would
+    file a person's data under someone else, where erasing by their id would miss it."""
     if body_user is not None and not isinstance(body_user, str):
-        raise ValueError("user must be a string: the id of the end user the request is for")
+        raise EndUserError("user must be a string: the id of the end user the request is for", "invalid_user")
     body = body_user or None
     header = header_user or None
+    if any(user is not None and len(user) > MAX_USER_CHARS for user in (body, header)):
+        raise EndUserError(f"an end user's id has at most {MAX_USER_CHARS} characters", "invalid_user")
     if body is not None and header is not None and body != header:
-        raise ValueError("the user body field and the X-Flywheel-User header name different end users; "
-                         "send one of them, or the same id in both")
+        raise EndUserError("the user body field and the X-Flywheel-User header name different end users; "
+                           "send one of them, or the same id in both", "user_conflict")
     return body if body is not None else header

@@ -218,11 +218,11 @@ class CompletionServing:
 
     def end_user_hash(self, tenant: str, body_user: str | None, header_user: str | None) -> str | None:
         """The keyed hash of the end user the request names, or None; a 400 naming ``user`` when
-        its body field and header disagree (``flywheel.identity.end_user``)."""
+        its body field and header disagree or it is no id (``flywheel.identity.end_user``)."""
         try:
             user = identity.end_user(body_user, header_user)
-        except ValueError as exc:
-            raise APIError(400, str(exc), param="user", code="user_conflict") from None
+        except identity.EndUserError as exc:
+            raise APIError(400, str(exc), param="user", code=exc.code) from None
         return None if user is None else identity.user_hash(self.user_secret, tenant, user)
 
     # Sessions and upstreams --------------------------------------------------------------------

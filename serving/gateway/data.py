@@ -42,6 +42,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from flywheel import erasure
 from flywheel.db.models import Erasure
+from flywheel.identity import MAX_USER_CHARS
 from flywheel.keys import check_tenant
 from flywheel.settings import Settings
 from flywheel.subjects import KINDS, MAX_SESSION_CHARS, Subject, export, user_subject
@@ -50,8 +51,6 @@ from serving.protocol import check_session_id
 
 log = logging.getLogger(__name__)
 
-#: The longest end-user id the data routes accept.
-MAX_USER_CHARS = 1024
 #: An export's bytes per chunk, and the chunks the queue holds between the reading thread and the response.
 CHUNK_BYTES = 64 * 1024
 QUEUE_CHUNKS = 8

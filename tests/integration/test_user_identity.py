@@ -106,6 +106,11 @@ def test_the_raw_user_id_is_stored_nowhere_and_its_hash_is_stable(tmp_path, db_u
             error = conflict.json()["error"]
             assert (error["param"], error["code"]) == ("user", "user_conflict")
             assert RAW not in conflict.text and OTHER not in conflict.text
+            # An id longer than the data routes take: refused, so every id taken can be erased by it.
+            long = client.post(CHAT, json={"messages": MESSAGES, "user": "u" * 1025},
+                               headers={"X-Flywheel-Session": f"x-{uuid.uuid4().hex}"})
+            assert long.status_code == 400, long.text
+            assert (long.json()["error"]["param"], long.json()["error"]["code"]) == ("user", "invalid_user")
             assert len(upstream.bodies) == asked
             generation = answers["body"].headers["X-Flywheel-Generation"]
             r = client.post("/v1/feedback", json={"feedback_id": f"fb-{uuid.uuid4().hex}", "generation_id": generation,

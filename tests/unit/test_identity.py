@@ -96,11 +96,19 @@ def test_which_end_user_a_request_names(body, header, expected) -> None:
     assert identity.end_user(body, header) == expected
 
 
-@pytest.mark.parametrize(("body", "header"), [(RAW, "bob@example.com"), (7, None), (["alice"], None)])
-def test_two_different_users_or_a_user_that_is_not_a_string_are_refused(body, header) -> None:
-    with pytest.raises(ValueError) as err:
+LONG = "a" * (identity.MAX_USER_CHARS + 1)
+
+
+@pytest.mark.parametrize(("body", "header", "code"), [
+    (RAW, "bob@example.com", "user_conflict"), (7, None, "invalid_user"), (["alice"], None, "invalid_user"),
+    (LONG, None, "invalid_user"), (None, LONG, "invalid_user"),  # longer than the data routes could ever erase
+])
+def test_two_different_users_a_user_that_is_not_a_string_or_one_too_long_are_refused(body, header, code) -> None:
+    with pytest.raises(identity.EndUserError) as err:
         identity.end_user(body, header)
-    assert RAW not in str(err.value) and "bob" not in str(err.value)  # the refusal repeats no id
+    assert err.value.code == code
+    assert RAW not in str(err.value) and "bob" not in str(err.value) and LONG not in str(err.value)  # no id repeated
+    assert identity.end_user("a" * identity.MAX_USER_CHARS, None) == "a" * identity.MAX_USER_CHARS
 
 
 def test_the_capture_records_and_sends_only_the_hash() -> None:
