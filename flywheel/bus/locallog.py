@@ -75,9 +75,11 @@ from flywheel.bus.segments import (
     end_of,
     expire,
     first_timestamp_ms,
+    open_for_append,
     segment_bases,
     segment_path,
     segment_s_for,
+    taken_away,
 )
 
 __all__ = ["CorruptLogError", "LocalLogBus", "LocalLogConsumer", "LocalLogProducer", "encode_frame", "scan"]
@@ -198,7 +200,12 @@ class LocalLogBus:
                     known, position, next_offset = self._ends.get((topic, partition), (base, 0, base))
                     if known != base or os.fstat(fd).st_size < position:  # a new segment (or a replaced file)
                         position, next_offset = 0, base
-                    position, next_offset, _ = end_of(fd, base, path, position, next_offset)
+                    try:
+                        position, next_offset, _ = end_of(fd, base, path, position, next_offset)
+                    except CorruptLogError:
+                        if not taken_away(fd, path):
+                            raise
+                        continue  # sealed and being erased meanwhile: list again
                 finally:
                     os.close(fd)
                 self._ends[(topic, partition)] = (base, position, next_offset)
@@ -236,12 +243,8 @@ class _Writer:
         self.dirty = False
 
     def _open(self, base: int) -> None:
-        self.path = segment_path(self.dir, self.partition, base)
-        created = not self.path.exists()
-        self.fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
-        if created:
-            fsync_dir(self.dir)
-        self.base, self.position, self.next_offset = base, 0, base
+        self.fd, self.base, self.path = open_for_append(self.dir, self.partition, base)
+        self.position, self.next_offset = 0, self.base
         self.first_ms: int | None = None
 
     def _switch(self, base: int) -> None:
@@ -551,7 +554,12 @@ class LocalLogConsumer:
         # Scan the segment once from its start to find the offset.
         pos, nxt = 0, base
         while nxt < offset:
-            found = scan(owned.log_fd, pos, nxt, max_records=min(10_000, offset - nxt), path=str(owned.log_path))
+            try:
+                found = scan(owned.log_fd, pos, nxt, max_records=min(10_000, offset - nxt), path=str(owned.log_path))
+            except CorruptLogError:
+                if not taken_away(owned.log_fd, owned.log_path):
+                    raise
+                return False  # being erased: look again at the next read
             if not found.frames:
                 break  # fewer records than the offset (yet): wait at the end
             pos, nxt = found.position, found.next_offset
@@ -598,9 +606,15 @@ class LocalLogConsumer:
             if not self._open_log(state):
                 continue
             assert state.log_fd is not None
-            found = scan(
-                state.log_fd, state.position, state.next_offset, max_records=max_records - len(out), path=str(state.log_path)
-            )
+            try:
+                found = scan(state.log_fd, state.position, state.next_offset, max_records=max_records - len(out),
+                             path=str(state.log_path))
+            except CorruptLogError:
+                if not taken_away(state.log_fd, state.log_path):
+                    raise
+                state.close_log()  # being erased under us (segments.erase): seek again (_open_log)
+                state.seeked = False
+                continue
             for decoded, end in found.frames:
                 out.append(
                     Record(state.topic, state.partition, decoded.offset, decoded.key, decoded.value, decoded.headers)
@@ -615,7 +629,7 @@ class LocalLogConsumer:
                         state.log_fd = os.open(state.log_path, os.O_RDONLY)
                     except FileNotFoundError:  # already expired too: seek again (_open_log)
                         state.seeked = False
-                elif os.fstat(state.log_fd).st_nlink == 0:  # erased under us: seek again (_open_log)
+                elif taken_away(state.log_fd, state.log_path):  # erased under us: seek again (_open_log)
                     state.close_log()
                     state.seeked = False
             if len(state.ends) > _MAX_TRACKED:

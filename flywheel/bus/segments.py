@@ -20,18 +20,24 @@ Invariants:
   newest record is older than the retention, and seals the newest one first when even that one is
   that old. A segment's newest record is at most its file's modification time (the time of its last
   append), which is what is compared: never early, late by at most the write's own delay. A deleted
-  segment is first overwritten with zeros from its end backwards, under its ``flock``, ``fsync``ed,
-  then unlinked: its records cannot be read back from the file system's blocks (on a file system
-  that writes in place: ext4, xfs; a copy-on-write one or an SSD's remapping may keep old blocks).
-  Zeroing from the end keeps what a concurrent reader sees a valid prefix followed by zeros (a
-  "torn tail" to :func:`flywheel.bus.frames.scan`), never damage; a reader or writer whose file
-  was unlinked (``st_nlink == 0``) seeks again from the partition's current segments.
+  segment is first renamed out of the partition (``<segment>.erasing``), then overwritten with
+  zeros under its ``flock``, ``fsync``ed and unlinked: its records cannot be read back from the file
+  system's blocks (on a file system that writes in place: ext4, xfs; a copy-on-write one or an SSD's
+  remapping may keep old blocks). A reader that still holds it and meets the zeros finds its segment
+  gone from the partition and seeks again from the current segments (``locallog``); a writer cannot
+  meet them (it appends under the same ``flock``, only to a segment without a successor, and one
+  whose file was unlinked, ``st_nlink == 0``, goes on in the newest). A janitor killed mid-erasure
+  leaves the ``.erasing`` file, which the next :func:`expire` finishes.
+- A writer opens a segment without creating it, except base 0 of a partition never written: a
+  segment listed a moment ago may have been sealed and erased since, and recreating it would
+  reuse its offsets.
 - A record lives at most the retention plus the age at which a segment rolls (a writer rolls a
   segment at ``segment_bytes``, or once its first record is ``segment_s`` old).
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import logging
 import os
@@ -47,6 +53,8 @@ SEGMENT_BYTES = 64 * 1024 * 1024
 #: The longest a segment stays open for appends (its first record's age), unless the retention is shorter.
 SEGMENT_S_MAX = 24 * 3600.0
 _ZERO_CHUNK = 1024 * 1024
+#: The suffix of a segment being erased (no longer a segment: ``segment_bases`` does not list it).
+ERASING = ".erasing"
 _DIGITS = 20
 
 
@@ -88,6 +96,35 @@ def end_of(fd: int, base: int, path: Path, position: int = 0, next_offset: int |
             return position, next_offset, found.torn
 
 
+def open_for_append(directory: Path, partition: int, base: int) -> tuple[int, int, Path]:
+    """``(fd, base, path)`` of segment ``base`` opened for appends; one erased since it was listed
+    gives way to the newest. Only base 0 of a partition never written is created (module docstring)."""
+    while True:
+        path = segment_path(directory, partition, base)
+        try:
+            return os.open(path, os.O_RDWR | os.O_APPEND), base, path
+        except FileNotFoundError:
+            bases = segment_bases(directory, partition)
+            if bases:
+                base = bases[-1]
+                continue
+        base, path = 0, segment_path(directory, partition, 0)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            continue  # another writer made it: open that one
+        fsync_dir(directory)
+        return fd, base, path
+
+
+def taken_away(fd: int, path: Path) -> bool:
+    """Whether the segment open as ``fd`` is no longer ``path``: renamed for erasure, or unlinked."""
+    try:
+        return os.stat(path).st_ino != os.fstat(fd).st_ino
+    except FileNotFoundError:
+        return True
+
+
 def first_timestamp_ms(fd: int, base: int, path: Path) -> int | None:
     """The timestamp of a segment's first record; None while it has none."""
     found = scan(fd, 0, base, max_records=1, path=str(path))
@@ -125,38 +162,69 @@ def create(directory: Path, partition: int, base: int) -> None:
 
 
 def erase(path: Path) -> int:
-    """Overwrite a sealed segment with zeros from its end backwards, then unlink it; its size."""
+    """Take a sealed segment out of the partition, then overwrite it with zeros and unlink it; its
+    size (0: it was gone already). The rename comes first: from then on no reader or writer lists
+    it, and one still holding it open meets zeros only in a file that is no longer a segment (a
+    reader seeks again, ``locallog``). A crash between the rename and the unlink leaves an
+    ``.erasing`` file, finished by the next :func:`expire`."""
+    erasing = path.with_name(path.name + ERASING)
+    try:
+        os.rename(path, erasing)
+    except FileNotFoundError:
+        return 0  # another janitor's
+    fsync_dir(path.parent)
+    return _zero_and_unlink(erasing)
+
+
+def _zero_and_unlink(path: Path) -> int:
     try:
         fd = os.open(path, os.O_WRONLY)
     except FileNotFoundError:
         return 0
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)  # no writer is inside it (one that comes later sees st_nlink == 0)
+        fcntl.flock(fd, fcntl.LOCK_EX)  # a writer mid-append finishes first (one after it sees st_nlink == 0)
         size = os.fstat(fd).st_size
-        end = size
-        while end > 0:
-            start = max(0, end - _ZERO_CHUNK)
-            os.pwrite(fd, bytes(end - start), start)
-            end = start
+        for start in range(0, size, _ZERO_CHUNK):
+            os.pwrite(fd, bytes(min(_ZERO_CHUNK, size - start)), start)
         os.fsync(fd)
-        path.unlink()
+        with contextlib.suppress(FileNotFoundError):  # two janitors: the other unlinked it
+            path.unlink()
     finally:
         os.close(fd)
     fsync_dir(path.parent)
     return size
 
 
+def erasing_left(directory: Path, partition: int) -> list[Path]:
+    """The partition's segments a crash left half-erased (renamed, not yet unlinked)."""
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return []
+    out = []
+    for name in names:
+        if name.endswith(ERASING):
+            segment = name[:-len(ERASING)]
+            if segment == f"{partition}.log" or (segment.startswith(f"{partition}.") and segment.endswith(".log")
+                                                  and len(segment[len(f"{partition}."):-4]) == _DIGITS):
+                out.append(directory / name)
+    return sorted(out)
+
+
 def expire(directory: Path, partition: int, retention_s: float, now: float | None = None) -> tuple[int, int]:
     """Delete the partition's segments older than ``retention_s`` (module docstring); ``(segments, bytes)``."""
     cutoff = (time.time() if now is None else now) - retention_s
+    segments = erased = 0
+    for left in erasing_left(directory, partition):  # a crashed janitor's
+        erased += _zero_and_unlink(left)
+        segments += 1
     bases = segment_bases(directory, partition)
     if not bases:
-        return 0, 0
+        return segments, erased
     if _mtime(segment_path(directory, partition, bases[-1])) < cutoff:
         new = seal(directory, partition, bases[-1])
         if new is not None:
             bases.append(new)
-    segments = erased = 0
     for base in bases[:-1]:
         path = segment_path(directory, partition, base)
         if _mtime(path) >= cutoff:

@@ -129,6 +129,46 @@ def test_a_log_written_before_segments_is_read_and_continued(tmp_path) -> None:
     consumer.close()
 
 
+def test_a_reader_holding_a_segment_being_erased_seeks_again_and_a_crashed_erasure_is_finished(tmp_path) -> None:
+    from flywheel.bus.segments import ERASING, open_for_append, segment_path
+
+    bus = LocalLogBus(tmp_path, partitions=1, segment_bytes=300, retention_s=3600)
+    send(bus, [b"old-secret-%03d" % i for i in range(20)])
+    directory = bus.topic_dir(TOPIC)
+    bases = segment_bases(directory, 0)
+    consumer = bus.consumer("g", [TOPIC])
+    first = consumer.poll(timeout_s=2, max_records=1)  # holds segment 0 open, positioned inside it
+    assert [r.offset for r in first] == [0]
+    # the janitor killed mid-erasure: segment 0 renamed away and half overwritten, mid-frame
+    victim = segment_path(directory, 0, bases[0])
+    erasing = victim.with_name(victim.name + ERASING)
+    os.rename(victim, erasing)
+    size = erasing.stat().st_size
+    with open(erasing, "r+b") as half:
+        half.seek(size // 2 + 3)
+        half.write(bytes(size - size // 2 - 3))
+    rest: list = []
+    deadline = time.monotonic() + 10
+    while (not rest or rest[-1].offset < 19) and time.monotonic() < deadline:
+        rest += consumer.poll(timeout_s=0.2)  # never a CorruptLogError: past the zeros it seeks again
+    offsets = [r.offset for r in rest]
+    # what was still whole in segment 0, then from segment 1 on, every record once, in order
+    assert offsets[-(20 - bases[1]):] == list(range(bases[1], 20))
+    assert offsets[:-(20 - bases[1])] == list(range(1, len(offsets) - (20 - bases[1]) + 1))
+    assert bus.lag("g", [TOPIC]) == {TOPIC: 20 - bases[1]}
+    # a producer that listed segment 0 before it went neither recreates it nor reuses its offsets
+    fd, base, path = open_for_append(directory, 0, bases[0])
+    os.close(fd)
+    assert base == bases[-1] and not victim.exists()
+    # the next expiry finishes the half-erased file: gone, its bytes zeroed
+    data = erasing.read_bytes()
+    assert b"old-secret-000" in data
+    assert bus.expire(3600 * 24)["segments"] == 1 and not erasing.exists()
+    send(bus, [b"new"])
+    assert [r.offset for r in read_all(consumer, 1)] == [20]
+    consumer.close()
+
+
 def test_kafka_topics_are_created_with_a_retention(kafka_bootstrap) -> None:
     from kafka.admin import ConfigResource, ConfigResourceType
 
