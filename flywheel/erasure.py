@@ -297,6 +297,23 @@ def resume(sessions: sessionmaker[Session], older_than: timedelta | None = None)
         yield complete(sessions, erasure_id)
 
 
+def pending_for(sessions: sessionmaker[Session], subject: Subject) -> tuple[int | None, int]:
+    """The oldest pending erasure of ``subject`` (None: there is none) and how many erasures of its
+    tenant are pending: what the data routes read before they take another request."""
+    from sqlalchemy import func, select
+
+    from flywheel.db.models import Erasure
+
+    same = (Erasure.user_hash == subject.user_hash if subject.user_hash is not None
+            else Erasure.session_id == subject.session_id)
+    with sessions() as db:
+        mine = db.scalar(select(func.min(Erasure.id)).where(Erasure.tenant == subject.tenant, Erasure.state == "pending",
+                                                            same))
+        count = db.scalar(select(func.count()).select_from(Erasure).where(Erasure.tenant == subject.tenant,
+                                                                          Erasure.state == "pending"))
+    return (None if mine is None else int(mine)), int(count or 0)
+
+
 def tombstoned(db: Session, subject: Subject) -> bool:
     """Whether an erasure (pending or done) names ``subject``: its records are to be dropped."""
     from sqlalchemy import select

@@ -206,7 +206,8 @@ def record(kind: str, row: Any) -> dict[str, Any]:
 def export(sessions: sessionmaker[Session], subject: Subject, out: IO[bytes], *, whole_shared: bool = False,
            batch: int = BATCH) -> dict[str, int]:
     """Write ``subject``'s rows to ``out`` as JSON Lines: first a ``subject`` line (tenant, user hash
-    or session id, when), then each kind's rows; returns how many rows of each kind were written."""
+    or session id, when), then each kind's rows, last an ``end`` line with the counts (a file without
+    it was cut short); returns how many rows of each kind were written."""
     from flywheel.jsonpolicy import db_dumps
 
     header = {"type": "subject", **subject.as_json(), "exported_at": datetime.now(UTC).isoformat()}
@@ -216,6 +217,7 @@ def export(sessions: sessionmaker[Session], subject: Subject, out: IO[bytes], *,
         for row in read_rows(sessions, rows, batch):
             out.write(db_dumps(record(rows.kind, row)).encode() + b"\n")
             counts[rows.kind] += 1
+    out.write(db_dumps({"type": "end", "counts": counts, "rows": sum(counts.values())}).encode() + b"\n")
     return counts
 
 

@@ -51,6 +51,12 @@ from serving.protocol import check_session_id
 
 log = logging.getLogger(__name__)
 
+#: Erasures of one tenant pending at once: beyond them a request is a 429 (one worker deletes them
+#: one at a time, each at least ``flywheel.erasure.SETTLE_S``; a flood must not bury other tenants').
+MAX_PENDING_ERASURES = 16
+#: Exports streaming at once, per tenant and in all: each holds a reading thread and a database connection.
+MAX_EXPORTS_PER_TENANT = 2
+MAX_EXPORTS = 4
 #: An export's bytes per chunk, and the chunks the queue holds between the reading thread and the response.
 CHUNK_BYTES = 64 * 1024
 QUEUE_CHUNKS = 8
@@ -136,6 +142,9 @@ class DataServing:
         self.chunk_bytes = CHUNK_BYTES
         self.pending: queue.Queue[int | None] = queue.Queue()
         self.stopping = threading.Event()
+        #: tenant -> exports streaming now (``MAX_EXPORTS_PER_TENANT``, ``MAX_EXPORTS``)
+        self.exporting: dict[str, int] = {}
+        self.exporting_lock = threading.Lock()
         self.worker = threading.Thread(target=self.work, name="erasures", daemon=True)
 
     def start(self) -> None:
@@ -176,7 +185,18 @@ class DataServing:
             raise APIError(400, exc.message, param="session", code="invalid_value") from None
 
     async def forget(self, subject: Subject, requested_by: str) -> dict[str, Any]:
-        """Tombstone ``subject`` and queue its deletion; the erasure as :meth:`erasure` shows it."""
+        """Tombstone ``subject`` and queue its deletion; the erasure as :meth:`erasure` shows it. A
+        subject with an erasure still pending gets that one (asking twice is not two deletions);
+        a tenant with :data:`MAX_PENDING_ERASURES` pending gets a 429."""
+        same, pending = await db(erasure.pending_for, self.sessions, subject)
+        if same is not None:
+            log.info("erasure %d asked again by %s: still pending", same, requested_by)
+            found = await self.erasure(same, subject.tenant)
+            assert found is not None
+            return found
+        if pending >= MAX_PENDING_ERASURES:
+            raise APIError(429, f"tenant {subject.tenant!r} has {pending} erasures pending; retry once they are done",
+                           code="too_many_pending_erasures", headers={"Retry-After": "10"})
         erasure_id = await db(erasure.request, self.sessions, subject, requested_by)
         log.info("erasure %d requested by %s: %s", erasure_id, requested_by, who(subject))
         self.pending.put(erasure_id)
@@ -220,6 +240,7 @@ class DataServing:
         stops the reading thread once the response is over (sent, or its client gone). The first
         chunk is read before this returns: a 503 if the database fails before it."""
         log.info("export requested by %s: %s", requested_by, who(subject))
+        self.begin_export(subject.tenant)
         pipe = ChunkPipe(self.chunk_bytes)
 
         def run() -> None:
@@ -231,10 +252,16 @@ class DataServing:
             except Exception as exc:  # handed to the response, which is cut off
                 log.exception("export for %s failed", requested_by)
                 failure = exc
+            finally:
+                self.end_export(subject.tenant)
             with contextlib.suppress(ExportAbandoned):
                 pipe.finish(failure)
 
-        threading.Thread(target=run, name="data-export", daemon=True).start()
+        try:
+            threading.Thread(target=run, name="data-export", daemon=True).start()
+        except BaseException:
+            self.end_export(subject.tenant)
+            raise
         chunks = pipe.chunks()
         try:
             first = await db(next, chunks, b"")
@@ -242,6 +269,25 @@ class DataServing:
             pipe.close()
             raise
         return prepend(first, chunks), pipe.close
+
+
+    def begin_export(self, tenant: str) -> None:
+        """Count an export in, or a 429 when the tenant or the gateway streams the most it may."""
+        with self.exporting_lock:
+            mine, everyone = self.exporting.get(tenant, 0), sum(self.exporting.values())
+            if mine >= MAX_EXPORTS_PER_TENANT or everyone >= MAX_EXPORTS:
+                raise APIError(429, f"{mine if mine >= MAX_EXPORTS_PER_TENANT else everyone} exports are streaming "
+                               f"{'for this tenant' if mine >= MAX_EXPORTS_PER_TENANT else 'on this gateway'}; "
+                               "retry once one is done", code="too_many_exports", headers={"Retry-After": "5"})
+            self.exporting[tenant] = mine + 1
+
+    def end_export(self, tenant: str) -> None:
+        with self.exporting_lock:
+            left = self.exporting.get(tenant, 0) - 1
+            if left > 0:
+                self.exporting[tenant] = left
+            else:
+                self.exporting.pop(tenant, None)
 
 
 def prepend(first: bytes, rest: Iterator[bytes]) -> Iterator[bytes]:

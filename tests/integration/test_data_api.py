@@ -132,7 +132,7 @@ def test_an_export_streams_the_subjects_rows_as_the_command_writes_them(api: Api
     for got in (by_admin, by_tenant):
         assert got[0] == {**want[0], "exported_at": got[0]["exported_at"]} and got[1:] == want[1:]
     assert {(x["type"], x.get("generation_id")) for x in session if x["type"] == "generation"} == {("generation", "g7")}
-    assert r.headers["cache-control"] == "no-store" and [x["type"] for x in lines(r)] == ["subject"]
+    assert r.headers["cache-control"] == "no-store" and [x["type"] for x in lines(r)] == ["subject", "end"]
     assert erasures(api.sessions) == 0
 
 
@@ -247,3 +247,30 @@ def test_a_gateway_killed_mid_erasure_leaves_it_pending_and_the_janitor_complete
         row = db.get(Erasure, erasure_id)
         assert row.state == "done" and row.counts["generation"] == before["generation"] == 4, row.counts
     assert rows_of(stored, ALICE) == {}
+
+
+def test_asking_twice_is_one_erasure_and_a_flood_of_erasures_or_exports_gets_429s(api: Api, monkeypatch) -> None:
+    from serving.gateway import data
+
+    api.data.settle_s = 5.0  # the first erasure stays pending a while
+    monkeypatch.setattr(data, "MAX_PENDING_ERASURES", 2)
+    monkeypatch.setattr(data, "MAX_EXPORTS_PER_TENANT", 1)
+    with api.as_("acme") as acme, api.as_("globex") as globex:
+        first = acme.post("/v1/data/forget", json={"user": RAW})
+        again = acme.post("/v1/data/forget", json={"user": RAW})
+        assert first.status_code == again.status_code == 202 and again.json()["id"] == first.json()["id"]
+        assert erasures(api.sessions) == 1  # asked twice, erased once
+        assert acme.post("/v1/data/forget", json={"session": "s4"}).status_code == 202
+        flood = acme.post("/v1/data/forget", json={"session": "s3"})
+        assert flood.status_code == 429 and flood.headers["retry-after"] == "10"
+        assert error(flood, 429)["code"] == "too_many_pending_erasures" and erasures(api.sessions) == 2
+        assert globex.post("/v1/data/forget", json={"session": "s1"}).status_code == 202  # another tenant's own
+
+        api.data.chunk_bytes = 1  # an export that waits on its client: its thread holds the tenant's slot
+        with acme.stream("GET", "/v1/data/export", params={"session": "s9"}) as held:
+            assert held.status_code == 200
+            second = acme.get("/v1/data/export", params={"session": "s9"})
+            assert second.status_code == 429 and error(second, 429)["code"] == "too_many_exports"
+            assert globex.get("/v1/data/export", params={"session": "s1"}).status_code == 200
+        wait_until("the held export's slot", lambda: acme.get("/v1/data/export", params={"session": "s9"})
+                   .status_code == 200, timeout_s=10)

@@ -98,6 +98,7 @@ def _export(sessions, subject: Subject, **kwargs: Any) -> tuple[str, list[dict[s
     lines = [json.loads(line) for line in text.splitlines()]
     assert lines[0]["type"] == "subject"
     assert counts == {kind: sum(1 for r in lines if r["type"] == kind) for kind in KINDS}
+    assert lines[-1] == {"type": "end", "counts": counts, "rows": sum(counts.values())}  # else it was cut short
     return text, lines
 
 
@@ -142,9 +143,9 @@ def test_an_export_holds_the_subjects_rows_and_no_one_elses(stored) -> None:
     assert _ids(other, "trained", "trajectory_id") == ["tr-globex-s1"]
 
     _, nobody = _export(stored, user_subject(SECRET, "acme", "carol"))
-    assert len(nobody) == 1  # the subject line only
+    assert [r["type"] for r in nobody] == ["subject", "end"]  # nothing between
     _, wrong_secret = _export(stored, user_subject("x" * 40, "acme", RAW))
-    assert len(wrong_secret) == 1
+    assert len(wrong_secret) == 2
 
 
 def test_a_session_export_holds_the_whole_session(stored) -> None:
@@ -191,7 +192,7 @@ def test_the_command_finds_the_user_with_the_gateways_secret_file(cli, sessions,
     assert code == 0, err
     assert [r["generation_id"] for r in lines if r["type"] == "generation"] == ["g1"]
     # s1 is shared with bob: its session row, but not its trajectories
-    assert [r["type"] for r in lines] == ["subject", "generation", "session"]
+    assert [r["type"] for r in lines] == ["subject", "generation", "session", "end"]
     assert user_hash(secret, "acme", RAW) in err and RAW not in err
     assert "2 rows" in err and "1 session(s) also hold" in err
 
@@ -207,19 +208,19 @@ def test_the_command_finds_the_user_with_the_gateways_secret_file(cli, sessions,
     assert stat.S_IMODE(out_path.stat().st_mode) == 0o600
     assert [p.name for p in out_path.parent.iterdir()] == ["alice.jsonl"]  # no temporary file left
     assert [json.loads(line)["type"] for line in out_path.read_text().splitlines()] == ["subject", "generation",
-                                                                                       "session"]
+                                                                                       "session", "end"]
     assert out_path.read_text().count(RAW) == 1  # in the prompt alone
 
     code, out, err = cli("--tenant", "acme", "--session", "s1")
     assert code == 0 and "10 rows" in err
-    assert {json.loads(line)["type"] for line in out.splitlines()} == {"subject", *KINDS} - {"feedback"}
+    assert {json.loads(line)["type"] for line in out.splitlines()} == {"subject", *KINDS, "end"} - {"feedback"}
 
 
 def test_the_command_exit_codes(cli, monkeypatch, tmp_path: Path) -> None:
     monkeypatch.setenv("FLYWHEEL_GATEWAY__USER_ID_SECRET", SECRET)
     code, out, err = cli("--tenant", "acme", "--user", "nobody")
     assert code == 0 and "0 rows" in err and "nobody" not in err
-    assert [json.loads(line)["type"] for line in out.splitlines()] == ["subject"]
+    assert [json.loads(line)["type"] for line in out.splitlines()] == ["subject", "end"]
     assert cli("--tenant", "acme", "--session", "none")[0] == 0
     assert cli("--tenant", "acme")[0] == 2  # neither --user nor --session
     assert cli("--tenant", "acme", "--user", "a", "--session", "s")[0] == 2  # both
