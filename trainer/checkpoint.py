@@ -37,6 +37,13 @@ checkpoint's weights now. Crash windows (``kill -9``):
   tracker knows them as done and commits them at the next publish point.
 - After the commit: as the previous case, with nothing redelivered.
 
+Sharded (``trainer.sharded_versions``, FSDP2 under torchrun; :func:`save_sharded`): every rank
+writes its own shards of the master and Adam state into a hidden folder, rank 0 renames it to
+``step-<step>.dcp`` and then writes the checkpoint file naming it, the same commit point as above;
+the version is published sharded by every rank (trainer/shard_publish.py) and the restart checks
+the found version's hash against the hash the ranks' shards compose to, with no rank gathering a
+state. A crash before the file leaves a folder no checkpoint names, removed by the next save.
+
 So a trajectory id appears in the ``trajectory_ids`` of at most one version, version numbers are
 never reused, and every record is trained, buffered in the newest checkpoint, or dropped and
 counted by reason. The newest checkpoint is the only valid one: an older one names an older
@@ -49,6 +56,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -57,8 +65,11 @@ import torch
 
 from flywheel.settings import Settings
 from flywheel.weights.registry import Registry, VersionInfo, VersionNotFound
+from trainer.distributed import Dist
 
 FORMAT = 1
+#: The suffix of a sharded checkpoint's folder.
+SHARDS = ".dcp"
 _NAME = re.compile(r"^step-(\d{10})\.pt$")
 
 
@@ -81,6 +92,10 @@ class Checkpoint:
     scheduler: dict[str, Any]
     buffer: dict[str, Any]  # SampleBuffer.state_dict()
     offsets: dict[str, Any]  # OffsetTracker.state_dict()
+    #: A sharded checkpoint's folder beside the file (``step-<step>.dcp``: every rank's shards of
+    #: the master and the optimizer state, :func:`save_sharded`); ``model`` and ``optimizer`` are
+    #: then empty. Empty: both are in the file.
+    sharded: str = ""
 
 
 def checkpoint_dir(settings: Settings) -> Path:
@@ -90,7 +105,8 @@ def checkpoint_dir(settings: Settings) -> Path:
 
 
 def save(directory: Path, checkpoint: Checkpoint, keep: int = 2) -> Path:
-    """Write ``checkpoint`` atomically as ``step-<step>.pt``; keep the newest ``keep`` checkpoints."""
+    """Write ``checkpoint`` atomically as ``step-<step>.pt``; keep the newest ``keep`` checkpoints
+    (and the sharded folders of those only)."""
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"step-{checkpoint.step:010d}.pt"
     tmp = directory / f".{path.name}.{os.getpid()}.tmp"
@@ -102,7 +118,47 @@ def save(directory: Path, checkpoint: Checkpoint, keep: int = 2) -> Path:
     _fsync_dir(directory)
     for old in _checkpoints(directory)[:-keep]:
         old.unlink()
+    kept = {p.name.removesuffix(".pt") + SHARDS for p in _checkpoints(directory)}
+    for folder in directory.glob(f"step-*{SHARDS}"):
+        if folder.name not in kept:  # a rotated checkpoint's, or one whose file a crash never wrote
+            shutil.rmtree(folder, ignore_errors=True)
     return path
+
+
+def save_sharded(dist: Dist, directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 checkpoint: Checkpoint | None, keep: int = 2) -> Path:
+    """Write a sharded checkpoint; a collective: rank 0 passes ``checkpoint`` (its ``model`` and
+    ``optimizer`` empty), the other ranks None.
+
+    Every rank writes its shards of the master and optimizer state into a hidden folder
+    (:meth:`Dist.save_sharded_state`); rank 0 then renames it to ``step-<step>.dcp`` and writes the
+    checkpoint file naming it, atomically as :func:`save` does. The file is the commit point: a crash
+    before it leaves a folder no checkpoint names (removed by the next save or load) and the
+    previous checkpoint stands, as in the crash windows above."""
+    step = dist.broadcast_object(checkpoint.step if checkpoint is not None else None)
+    name = f"step-{step:010d}{SHARDS}"
+    tmp = directory / f".{name}.tmp"
+    if dist.is_main:
+        directory.mkdir(parents=True, exist_ok=True)
+        for stale in (tmp, directory / name):  # left by a crash of an earlier attempt at this step
+            shutil.rmtree(stale, ignore_errors=True)
+    dist.barrier()
+    dist.save_sharded_state(model, optimizer, tmp)  # returns on rank 0 once every rank's shards are written
+    if not dist.is_main:
+        return directory / name
+    assert checkpoint is not None and not checkpoint.model and not checkpoint.optimizer
+    os.replace(tmp, directory / name)
+    _fsync_dir(directory)
+    checkpoint.sharded = name
+    return save(directory, checkpoint, keep)
+
+
+def load_sharded(dist: Dist, directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 checkpoint: Checkpoint | None) -> None:
+    """Load the shards of a sharded ``checkpoint`` (rank 0's; None on the others) into the wrapped
+    model and its optimizer, with any number of ranks; a collective."""
+    name = dist.broadcast_object(checkpoint.sharded if checkpoint is not None else None)
+    dist.load_sharded_state(model, optimizer, directory / name)
 
 
 def load_latest(directory: Path, model_line: str) -> Checkpoint | None:
@@ -110,7 +166,10 @@ def load_latest(directory: Path, model_line: str) -> Checkpoint | None:
     if not directory.is_dir():
         return None
     for tmp in directory.glob(".step-*.tmp"):
-        tmp.unlink()  # an interrupted save; never loaded
+        if tmp.is_dir():
+            shutil.rmtree(tmp, ignore_errors=True)  # an interrupted sharded save; never loaded
+        else:
+            tmp.unlink()  # an interrupted save; never loaded
     paths = _checkpoints(directory)
     if not paths:
         return None
@@ -123,6 +182,8 @@ def load_latest(directory: Path, model_line: str) -> Checkpoint | None:
     checkpoint = Checkpoint(**data)
     if checkpoint.model_line != model_line:
         raise CheckpointError(f"{paths[-1]} is for model line {checkpoint.model_line!r}, not {model_line!r}")
+    if checkpoint.sharded and not (directory / checkpoint.sharded / ".metadata").is_file():
+        raise CheckpointError(f"{paths[-1]} names the sharded state {checkpoint.sharded!r}, which is not in {directory}")
     return checkpoint
 
 

@@ -23,11 +23,14 @@ Invariants the loop keeps (how: docs/trainer.md):
   undoes: the reduced gradient is ``sum over ranks of grad(local_token_sum) / N``, the gradient of
   the step's token mean in one process, up to the order of the summation.
 - All ranks start from rank 0's weights (:meth:`Dist.wrap` broadcasts them before sharding).
-- The checkpoint format does not change. :meth:`Dist.full_state_dict` is ``{name: CPU tensor}`` of
-  every parameter in the master dtype (``named_parameters`` names, tied weights once: what
-  ``Policy.master_state`` gives), :meth:`Dist.optimizer_state_dict` is what
+- The gathered checkpoint format is the single process's. :meth:`Dist.full_state_dict` is
+  ``{name: CPU tensor}`` of every parameter in the master dtype (``named_parameters`` names, tied
+  weights once: what ``Policy.master_state`` gives), :meth:`Dist.optimizer_state_dict` is what
   ``optimizer.state_dict()`` gives in one process (parameters keyed by index); both are complete
   on rank 0 and ``{}`` on the others. The ``load_*`` methods take them on rank 0 and broadcast.
+  Sharded checkpoints (``trainer.sharded_versions``) never gather: :meth:`save_sharded_state` and
+  :meth:`load_sharded_state` write and read each rank's own shards with torch DCP, which reshards
+  on load, so either kind resumes with any number of ranks.
 
 Wrapping (:meth:`Dist.wrap`): FSDP2, ``torch.distributed.fsdp.fully_shard`` on every transformer
 block (the classes named by the model's ``_no_split_modules``) and then on the root, parameters
@@ -53,10 +56,12 @@ import contextlib
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import torch
 import torch.distributed as tdist
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -333,6 +338,28 @@ class Dist:
         groups = self.broadcast_object(list(state["param_groups"]) if self.is_main else None)
         for group, saved in zip(optimizer.param_groups, groups, strict=True):
             group.update({k: v for k, v in saved.items() if k != "params"})
+
+
+    # --- sharded states (torch DCP), for sharded checkpoints -------------------------------------
+
+    def save_sharded_state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> None:
+        """Write the master weights and the optimizer state under ``path`` (a folder), each rank its
+        own FSDP2 shards (``torch.distributed.checkpoint``: one file per rank and rank 0's
+        ``.metadata``, fsynced); no rank gathers either state. Every rank calls it."""
+        dcp.save(self._sharded_states(model, optimizer), checkpoint_id=path, no_dist=not self.enabled)
+
+    def load_sharded_state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> None:
+        """Load a :meth:`save_sharded_state` folder into the wrapped model and its optimizer, with
+        any number of ranks (DCP reshards: each rank reads the slices of its own shards). Every
+        rank calls it."""
+        state = self._sharded_states(model, optimizer)
+        dcp.load(state, checkpoint_id=path, no_dist=not self.enabled)
+        set_model_state_dict(model, state["model"])
+        set_optimizer_state_dict(model, optimizer, state["optimizer"])
+
+    @staticmethod
+    def _sharded_states(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        return {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
 
 
 def _optimizer_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:

@@ -83,6 +83,14 @@ class ShardedPublisher:
         from) as the next delta's base; a collective."""
         self.previous, self._previous_entries = self.export(model), None
 
+    def held_sha256(self) -> str:
+        """The hash of the whole state the ranks' shards from :meth:`start` or the last publish
+        make (``state_sha256`` of the bf16 export; no tensor is gathered); a collective."""
+        held = self.dist.all_gather_object(self._entries())
+        if any(e is None for e in held):
+            raise WeightsError("a rank holds no shard: call start() first")
+        return combine_digests([x for e in held for x in e])
+
     def publish(self, model: torch.nn.Module, *, parent: int | None, train_step: int | None = None,
                 metrics: dict[str, Any] | None = None) -> VersionInfo:
         """Store the model's export as the next version on ``parent`` (module docstring); a

@@ -5,7 +5,12 @@ loop (consume -> buffer -> step) -> every ``trainer.steps_per_version`` steps, o
 ``trainer.publish_every_s`` passed since the last version, a publish point: checkpoint -> publish
 -> commit offsets -> cleanup.
 
-- Publishing runs off the critical path (``trainer.publish_in_background``, trainer/publisher.py).
+- Sharded (``trainer.sharded_versions``, the default under torchrun with FSDP2 and full-parameter
+  training): no rank gathers the model or the Adam state. At a publish point every rank writes its
+  own shards into the checkpoint (``checkpoint.save_sharded``, torch DCP) and codes, uploads and
+  checks its own shard of the version (trainer/shard_publish.py); rank 0 writes the checkpoint file
+  and the manifest. Inline, at the cut: the ranks' collectives cannot run beside training's.
+- Otherwise publishing runs off the critical path (``trainer.publish_in_background``, trainer/publisher.py).
   At the cut the loop gathers the full fp32 master and Adam state (a collective under torchrun:
   every rank, synchronously), takes the bf16 export (from rank 0's replica under torchrun), keeps
   snapshots that later steps cannot change, and hands them to the publisher; a worker thread
@@ -86,6 +91,7 @@ import secrets
 import threading
 import time
 from collections import Counter
+from pathlib import Path
 from statistics import fmean
 from typing import Any
 
@@ -110,6 +116,7 @@ from trainer.buffer import OffsetTracker, SampleBuffer
 from trainer.distributed import Dist
 from trainer.policy import Policy
 from trainer.publisher import Publisher, Snapshot, publish, snapshot
+from trainer.shard_publish import ShardedPublisher
 from trainer.step import train_step
 
 log = logging.getLogger("flywheel.trainer")
@@ -143,13 +150,15 @@ def _train(settings: Settings, stop: threading.Event, dist: Dist) -> None:
     policy = Policy(model, cfg)
     engine = registry = resumed = published = None
     current = step = 0
+    # Under FSDP2 a full-parameter trainer checkpoints and publishes each rank's own shard.
+    sharded = cfg.sharded_versions and dist.enabled and dist.wrapper == "fsdp2" and not policy.lora
     # `flywheel health trainer`: rank 0 beats while it waits for a first version and on every turn
     # of the loop; one turn may hold a whole step and a publish point (checkpoint + publish).
     heartbeat = Beat(settings, "trainer")
+    ckpt_dir = checkpoint.checkpoint_dir(settings)
     if dist.is_main:
         engine = open_database(settings.database_url, settings.db.wait_s)
         registry = Registry(make_session_factory(engine), make_store(settings), settings.model.line, full_every=cfg.full_every)
-        ckpt_dir = checkpoint.checkpoint_dir(settings)
         resumed = checkpoint.load_latest(ckpt_dir, settings.model.line)
         if resumed is None:
             latest = registry.latest()
@@ -166,19 +175,22 @@ def _train(settings: Settings, stop: threading.Event, dist: Dist) -> None:
                 published = registry.load(current)  # the bf16 weights of the version being trained
                 policy.load_published(published)
         else:
-            policy.load_master(resumed.model)
+            if not resumed.sharded:  # a sharded checkpoint's weights are loaded once the model is wrapped
+                policy.load_master(resumed.model)
             step = resumed.step
     start = dist.broadcast_object(
         None if dist.is_main and resumed is None and published is None
-        else {"step": step, "scheduler": None if resumed is None else resumed.scheduler})
+        else {"step": step, "scheduler": None if resumed is None else resumed.scheduler,
+              "resumed": resumed is not None, "sharded": resumed is not None and bool(resumed.sharded)})
     if start is None:  # stopped while waiting for a first version
         heartbeat.close()
         if engine is not None:
             engine.dispose()
         return
     step = start["step"]
-    # Rank 0 exports versions from a plain replica (sharded parameters cannot be exported in place).
-    exporter = copy.deepcopy(policy) if dist.enabled and dist.is_main else policy
+    # Rank 0 exports versions from a plain replica (sharded parameters cannot be exported in place),
+    # unless each rank publishes its own shard.
+    exporter = copy.deepcopy(policy) if dist.enabled and dist.is_main and not sharded else policy
     # Checkpointed/compiled blocks (trainer.compute) on the trained model only, before wrapping.
     model = dist.wrap(compute.prepare(policy.model, cfg))  # every rank starts from rank 0's weights
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr,
@@ -186,12 +198,21 @@ def _train(settings: Settings, stop: threading.Event, dist: Dist) -> None:
     # Adam's first steps move every weight by a full lr (its moment estimates are fresh), which
     # would flip most bf16 elements at once; a linear warm-up keeps the first deltas small too.
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: min(1.0, (i + 1) / cfg.warmup_steps))
-    if start["scheduler"] is not None:
+    if start["sharded"]:  # any number of ranks, this one included, reads its slices of the shards
+        checkpoint.load_sharded(dist, ckpt_dir, model, optimizer, resumed)
+    elif start["scheduler"] is not None:
         dist.load_optimizer_state(model, optimizer, resumed.optimizer if resumed is not None else {})
+    if start["scheduler"] is not None:
         scheduler.load_state_dict(start["scheduler"])
+    shards = None
+    if sharded:
+        shards = ShardedPublisher(dist, model, make_store(settings), settings.model.line, registry)
+        shards.start(model)  # this rank's shard of the weights held now: the next delta's base
+        adopted = _adopt_sharded(dist, shards, model, registry, resumed) if start["resumed"] else None
+        published = None  # each rank holds its own shard of the parent instead
 
     if not dist.is_main:
-        _follow(dist, model, optimizer, scheduler, reference, cfg)
+        _follow(dist, model, optimizer, scheduler, reference, cfg, shards, ckpt_dir)
         return
 
     # --- rank 0 from here: the buffer, the bus, the registry -------------------------------------
@@ -202,12 +223,17 @@ def _train(settings: Settings, stop: threading.Event, dist: Dist) -> None:
     if resumed is not None:
         buffer.load_state_dict(resumed.buffer)
         offsets.load_state_dict(resumed.offsets)
-        info = checkpoint.find_published(registry, resumed)
-        if info is None:  # the crash came between checkpoint and publish: publish it now
-            info = publish(registry, exporter.export(), resumed, registry.load(resumed.parent))
-        elif info.sha256 != state_sha256(exporter.export()):
-            raise checkpoint.CheckpointError(f"v{info.version} carries the checkpoint's token but not its weights")
-        current, published = info.version, exporter.export()
+        if shards is not None:
+            assert adopted is not None
+            info = adopted
+        else:
+            info = checkpoint.find_published(registry, resumed)
+            if info is None:  # the crash came between checkpoint and publish: publish it now
+                info = publish(registry, exporter.export(), resumed, registry.load(resumed.parent))
+            elif info.sha256 != state_sha256(exporter.export()):
+                raise checkpoint.CheckpointError(f"v{info.version} carries the checkpoint's token but not its weights")
+            published = exporter.export()
+        current = info.version
         log.info("resumed from checkpoint at step %d as v%d (%d samples buffered)", step, current, len(buffer))
     window: list[dict[str, Any]] = []  # per-step metrics since the last published version
     trained_ids: list[str] = []  # trajectories trained since the last published version
@@ -222,12 +248,13 @@ def _train(settings: Settings, stop: threading.Event, dist: Dist) -> None:
 
     def erased(sample: ScoredTrajectory) -> bool:
         return tombstones.drops_session(sample.tenant, sample.session_id)
-    log.info("training %s (%s, %s, %d rank(s) %s on %s) from v%d (step %d), lr=%g, batch %d",
+    log.info("training %s (%s, %s, %d rank(s) %s on %s%s) from v%d (step %d), lr=%g, batch %d",
              settings.model.line, cfg.mode,
              f"LoRA r={cfg.lora_rank}, {cfg.lora_publish} versions" if policy.lora else "full", dist.world_size,
-             dist.wrapper, dist.device, current, step, cfg.lr, cfg.batch_size)
+             dist.wrapper, dist.device, ", sharded versions" if shards else "", current, step, cfg.lr, cfg.batch_size)
 
-    publisher = Publisher(registry, ckpt_dir, cfg.keep_checkpoints, background=cfg.publish_in_background)
+    # Sharded points are collectives of every rank: inline, in the loop.
+    publisher = Publisher(registry, ckpt_dir, cfg.keep_checkpoints, background=cfg.publish_in_background and shards is None)
     pending: tuple[State, list[Record]] | None = None  # the point being written: its export, its committable offsets
     waited_s = 0.0  # seconds publish points waited for the previous one (submit's waits: publisher.stall_s)
 
@@ -244,10 +271,40 @@ def _train(settings: Settings, stop: threading.Event, dist: Dist) -> None:
         for entry in buffer.purge_stale(current):
             offsets.done(entry.record)
 
+    def new_checkpoint(master: State, optimizer_state: dict[str, Any]) -> checkpoint.Checkpoint:
+        return checkpoint.Checkpoint(
+            model_line=settings.model.line, step=step, parent=current,
+            parent_sha256=registry.get(current).sha256, publish_token=secrets.token_hex(16),
+            metrics={**summarise(window, buffer.counters(), current), "trajectory_ids": trained_ids},
+            model=master, optimizer=optimizer_state, scheduler=copy.deepcopy(scheduler.state_dict()),
+            buffer=buffer.state_dict(), offsets=offsets.state_dict(),
+        )
+
+    def sharded_point() -> None:
+        """A publish point where each rank writes and publishes its own shard: checkpoint -> publish
+        -> commit, inline (collectives of every rank; crash windows: trainer.checkpoint)."""
+        nonlocal pending, window, trained_ids, last_publish, waited_s
+        assert shards is not None
+        started = time.monotonic()
+        done = offsets.committable()
+        ckpt = new_checkpoint({}, {})
+        checkpoint.save_sharded(dist, ckpt_dir, model, optimizer, ckpt, cfg.keep_checkpoints)
+        info = shards.publish(model, parent=current, train_step=step,
+                              metrics={**ckpt.metrics, "publish_token": ckpt.publish_token})
+        log.info("published v%d (sharded %s, %d bytes, %.1f%% of full) at step %d", info.version, info.kind,
+                 info.bytes, 100.0 * info.bytes / max(info.full_bytes, 1), step)
+        pending = ({}, done)
+        window, trained_ids, last_publish = [], [], time.monotonic()
+        waited_s += time.monotonic() - started
+        settle(info)
+
     def publish_point() -> None:
         """Cut a publish point: gather and snapshot the states, then checkpoint -> publish in the
         publisher (background or inline) and, once it says, commit (crash windows: trainer.checkpoint)."""
         nonlocal pending, window, trained_ids, last_publish, waited_s
+        if shards is not None:
+            sharded_point()
+            return
         master, optimizer_state = _full_states(dist, model, optimizer)  # a collective: every rank, now
         if exporter is not policy:
             exporter.load_master(master)
@@ -258,13 +315,7 @@ def _train(settings: Settings, stop: threading.Event, dist: Dist) -> None:
         settle(publisher.wait())  # the previous point's version is this one's parent
         waited_s += time.monotonic() - waited
         done = offsets.committable()  # as before: these records leave the tracker, the commit covers them
-        ckpt = checkpoint.Checkpoint(
-            model_line=settings.model.line, step=step, parent=current,
-            parent_sha256=registry.get(current).sha256, publish_token=secrets.token_hex(16),
-            metrics={**summarise(window, buffer.counters(), current), "trajectory_ids": trained_ids},
-            model=point.master, optimizer=point.optimizer, scheduler=copy.deepcopy(scheduler.state_dict()),
-            buffer=buffer.state_dict(), offsets=offsets.state_dict(),
-        )
+        ckpt = new_checkpoint(point.master, point.optimizer)
         pending = (point.export, done)
         publisher.submit(ckpt, point.export, published)
         window, trained_ids, last_publish = [], [], time.monotonic()
@@ -339,7 +390,8 @@ def _train(settings: Settings, stop: threading.Event, dist: Dist) -> None:
 
 
 def _follow(dist: Dist, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
-            reference: torch.nn.Module | None, cfg: TrainerSettings) -> None:
+            reference: torch.nn.Module | None, cfg: TrainerSettings, shards: ShardedPublisher | None,
+            ckpt_dir: Path) -> None:
     """Ranks other than 0: do what rank 0 says, until it says stop."""
     while True:
         command = dist.broadcast_object(None)
@@ -352,7 +404,27 @@ def _follow(dist: Dist, model: torch.nn.Module, optimizer: torch.optim.Optimizer
                        dist=dist)
             scheduler.step()
         if command[0] == "publish" or (command[0] == "step" and due):
-            _full_states(dist, model, optimizer)
+            if shards is None:
+                _full_states(dist, model, optimizer)
+            else:  # this rank's part of rank 0's sharded_point
+                checkpoint.save_sharded(dist, ckpt_dir, model, optimizer, None, cfg.keep_checkpoints)
+                shards.publish(model, parent=None)
+
+
+def _adopt_sharded(dist: Dist, shards: ShardedPublisher, model: torch.nn.Module, registry: Registry | None,
+                   resumed: checkpoint.Checkpoint | None) -> VersionInfo:
+    """After a restart from a checkpoint, with sharded versions: the version published from it (the
+    hash of the ranks' shards checked against it), or, when the crash came between checkpoint and
+    publish, that version published now. A collective; every rank returns the version."""
+    found = dist.broadcast_object(
+        checkpoint.find_published(registry, resumed) if dist.is_main and registry and resumed else None)
+    if found is None:
+        return shards.publish(model, parent=resumed.parent if resumed is not None else None,
+                              train_step=resumed.step if resumed is not None else None,
+                              metrics={**resumed.metrics, "publish_token": resumed.publish_token} if resumed else None)
+    if shards.held_sha256() != found.sha256:
+        raise checkpoint.CheckpointError(f"v{found.version} carries the checkpoint's token but not its weights")
+    return found
 
 
 def _full_states(dist: Dist, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:

@@ -96,7 +96,7 @@ def test_the_trainer_loop_under_torchrun_trains_like_one_process(tiny_model_dir:
     """``flywheel trainer`` launched by torchrun with 2 gloo ranks (FSDP2) against the same trainer
     as one process, on the same 16 scored trajectories: the same 4 versions, with the same losses,
     nearly the same weights (bf16 exports of fp32 masters whose sums ran in another order), every
-    trajectory trained once, and a clean stop on SIGTERM."""
+    trajectory trained once, and a clean stop on SIGTERM; the 2-rank versions are sharded."""
     import signal
     import time
 
@@ -138,6 +138,9 @@ def test_the_trainer_loop_under_torchrun_trains_like_one_process(tiny_model_dir:
         runs[name] = registry
     one, two = runs["one"].versions(), runs["two"].versions()
     assert [v.version for v in two] == [v.version for v in one] == [0, 1, 2, 3, 4]
+    # Under FSDP2 each rank checkpointed and published its own shard (trainer.sharded_versions);
+    # one process publishes whole. A node loads either (Registry.load below) with every hash checked.
+    assert all(v.store_key.endswith(".manifest") for v in two[1:]) and not any(v.store_key.endswith(".manifest") for v in one)
     assert sorted(trained_ids(runs["two"])) == sorted(s.trajectory_id for s in samples)
     for a, b in zip(one[1:], two[1:]):
         assert b.metrics["trajectory_ids"] == a.metrics["trajectory_ids"]

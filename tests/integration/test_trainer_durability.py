@@ -11,9 +11,11 @@ purpose, in process, by a publish that dies just before or just after its row is
 Publishing runs in the background by default (``trainer.publish_in_background``,
 trainer/publisher.py), so the random kills mostly land while a checkpoint write or a publish is in
 flight in the worker thread and the next step trains, and the injected crashes are raised in that
-worker and surface in the loop; the ``full_inline`` variant kills the inline publisher. The last
-test checks that a version published in the background names exactly the weights of the step it
-was cut at.
+worker and surface in the loop; the ``full_inline`` variant kills the inline publisher. The
+``sharded_2_ranks`` variant runs the trainer under torchrun with 2 gloo ranks (FSDP2), each rank
+checkpointing and publishing its own shard (``trainer.sharded_versions``), and kills the whole job
+(torchrun and both ranks) with -9, as a lost host would be. The last test checks that a version
+published in the background names exactly the weights of the step it was cut at.
 """
 
 from __future__ import annotations
@@ -88,7 +90,10 @@ VARIANTS = {
     "full_inline": {"publish_in_background": False},
     "lora_kl_microbatched": {"lora_rank": 4, "kl_coef": 0.05, "micro_batch_tokens": 64},
     "lora_adapter": {"lora_rank": 4, "lora_publish": "adapter"},
+    "sharded_2_ranks": {},
 }
+#: Variants run under torchrun (the rest in one process).
+TORCHRUN = {"sharded_2_ranks": ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]}
 
 
 def make_settings(tmp_path: Path, db_url: str, model_dir: Path, **trainer: Any) -> Settings:
@@ -134,10 +139,28 @@ def send(settings: Settings, values: list[bytes]) -> None:
     bus.close()
 
 
-def start_trainer(config: Path, log_path: Path) -> subprocess.Popen[bytes]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+def kill_9(proc: subprocess.Popen[bytes]) -> None:
+    """SIGKILL the trainer and, under torchrun, its ranks (each in a session of its own)."""
+    children = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == proc.pid:
+                children.append(int(entry.name))
+        except (OSError, ValueError, IndexError):  # gone meanwhile
+            continue
+    for pid in (proc.pid, *children):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def start_trainer(config: Path, log_path: Path, launcher: list[str] | None = None) -> subprocess.Popen[bytes]:
+    """The trainer (under ``launcher``, e.g. torchrun, when given)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env["OMP_NUM_THREADS"] = "1"
     with open(log_path, "ab") as out:
-        return subprocess.Popen([sys.executable, "-m", "launch.cli", "--config", str(config), "trainer"],
+        return subprocess.Popen([sys.executable, *(launcher or []), "-m", "launch.cli", "--config", str(config), "trainer"],
                                 cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=env)
 
 
@@ -172,27 +195,33 @@ def test_kill_9_at_a_random_moment_then_restart_loses_and_repeats_nothing(
     send(settings, [b"{ not json"] + [s.to_bytes() for s in first] + duplicates[:3] + revisions[:2])
 
     log_path = tmp_path / "trainer.log"
-    proc = start_trainer(config, log_path)
+    launcher = TORCHRUN.get(variant)
+    proc = start_trainer(config, log_path, launcher)
     kill_after = rng.randint(2, 7)
     latest = lambda: getattr(registry.latest(), "version", -1)  # noqa: E731
-    wait_for(f"v{kill_after}", lambda: latest() >= kill_after, proc, log_path, timeout_s=60)
+    wait_for(f"v{kill_after}", lambda: latest() >= kill_after, proc, log_path, timeout_s=120 if launcher else 60)
     time.sleep(rng.uniform(0.0, 0.6))  # anywhere in a step, a checkpoint write, a publish or a commit
-    proc.send_signal(signal.SIGKILL)
+    kill_9(proc)  # the trainer, or torchrun and every rank
     assert proc.wait(10) == -signal.SIGKILL
     context = {"seed": seed, "killed_at": latest(), "variant": variant}
 
     send(settings, [s.to_bytes() for s in second] + duplicates[3:] + revisions[2:])
-    proc = start_trainer(config, log_path)
+    proc = start_trainer(config, log_path, launcher)
     try:
         wait_for("every trajectory trained", lambda: len(trained_ids(registry)) >= N_TRAJECTORIES, proc, log_path,
-                 timeout_s=75)
+                 timeout_s=150 if launcher else 75)
         time.sleep(1.0)  # long enough for a wrongly repeated version to show up
     finally:
         proc.send_signal(signal.SIGTERM)
-        code = proc.wait(30)
+        code = proc.wait(60)
     log = log_path.read_text()
-    assert code == 0, log[-4000:]
-    assert "resumed from checkpoint" in log, log[-4000:]
+    # torchrun passes SIGTERM to the ranks, which stop cleanly, and exits 1 itself.
+    assert code == (1 if launcher else 0), log[-4000:]
+    assert "resumed from checkpoint" in log and "trainer stopping at step" in log, log[-4000:]
+    if launcher:  # every version after v0 and every checkpoint sharded: no rank gathered a state
+        assert all(v.store_key.endswith(".manifest") for v in registry.versions()[1:]), context
+        checkpoints = list((settings.data_path / "trainer" / settings.model.line).iterdir())
+        assert any(p.name.endswith(".dcp") for p in checkpoints), (context, checkpoints)
 
     # No version number reused or skipped, one linear chain; every trajectory trained exactly once.
     assert_one_chain_each_trajectory_once(registry, samples, context)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+import shutil
 from pathlib import Path
 
 import pytest
@@ -157,4 +158,38 @@ def test_newest_wins_old_ones_pruned_temporaries_ignored_and_bad_files_refused(t
         checkpoint.load_latest(tmp_path, "other")
     (tmp_path / "step-0000000008.pt").write_bytes(b"\x00" * 64)  # never fall back to an older one
     with pytest.raises(checkpoint.CheckpointError, match="step-0000000008.pt"):
+        checkpoint.load_latest(tmp_path, "m")
+
+
+def test_a_sharded_checkpoint_round_trips_and_a_crash_before_its_file_leaves_no_trace(tmp_path: Path) -> None:
+    """``save_sharded`` in one process (DCP without a process group: what a 1-rank resume of a
+    sharded job reads): weights, Adam and schedule come back bit-exact from the folder the file
+    names; a folder no file names (a crash before the commit point) is never loaded and goes."""
+    from trainer.distributed import Dist
+
+    dist = Dist()
+    model, opt, sched = setup(5)
+    steps(model, opt, sched, [torch.randn(4, 7, generator=torch.Generator().manual_seed(i)) for i in range(3)])
+    point = make_checkpoint(model, opt, sched, step=3)
+    point.model, point.optimizer = {}, {}
+    path = checkpoint.save_sharded(dist, tmp_path, model, opt, point)
+    assert path.name == "step-0000000003.pt" and (tmp_path / "step-0000000003.dcp" / ".metadata").is_file()
+    (tmp_path / ".step-0000000004.dcp.tmp").mkdir()  # killed while the ranks wrote their shards
+    (tmp_path / "step-0000000004.dcp").mkdir()  # killed after the rename, before the file
+    loaded = checkpoint.load_latest(tmp_path, "m")
+    assert loaded is not None and loaded.step == 3 and loaded.sharded == "step-0000000003.dcp"
+    assert loaded.model == {} and loaded.optimizer == {} and loaded.scheduler == sched.state_dict()
+    assert not (tmp_path / ".step-0000000004.dcp.tmp").exists()
+
+    fresh, f_opt, _ = setup(6)  # other weights and no Adam state yet: everything comes from the shards
+    checkpoint.load_sharded(dist, tmp_path, fresh, f_opt, loaded)
+    assert digest(dict(fresh.named_parameters())) == digest(dict(model.named_parameters()))
+    assert digest(moments(f_opt)) == digest(moments(opt))
+
+    point = make_checkpoint(model, opt, sched, step=5)  # the next save rotates: orphans and old folders go
+    point.model, point.optimizer = {}, {}
+    checkpoint.save_sharded(dist, tmp_path, model, opt, point, keep=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-0000000005.dcp", "step-0000000005.pt"]
+    shutil.rmtree(tmp_path / "step-0000000005.dcp")  # a file whose shards are gone is refused, never skipped
+    with pytest.raises(checkpoint.CheckpointError, match="step-0000000005.dcp"):
         checkpoint.load_latest(tmp_path, "m")
