@@ -60,13 +60,16 @@ MAX_EXPORTS = 4
 #: An export's bytes per chunk, and the chunks the queue holds between the reading thread and the response.
 CHUNK_BYTES = 64 * 1024
 QUEUE_CHUNKS = 8
+#: How the audit names a tenant's key (``serving.gateway.data_router``); a tenant sees any other
+#: requester, an admin key or a ``flywheel data forget --by`` name, as "the operator".
+TENANT_CALLER = "API key "
 #: The export stream's media type: JSON Lines.
 NDJSON = "application/x-ndjson"
 
 
 class SubjectRequest(BaseModel):
     """Whose data: ``{"tenant": T, "user": U}`` or ``{"tenant": T, "session": S}`` (the body of
-    ``POST .../data/forget``, the query of ``GET .../data/export``). ``tenant`` is required on the
+    ``POST .../data/forget`` and ``POST .../data/export``). ``tenant`` is required on the
     admin routes; on a tenant's routes it may be left out and must otherwise be the key's own."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
@@ -184,14 +187,14 @@ class DataServing:
         except APIError as exc:
             raise APIError(400, exc.message, param="session", code="invalid_value") from None
 
-    async def forget(self, subject: Subject, requested_by: str) -> dict[str, Any]:
+    async def forget(self, subject: Subject, requested_by: str, *, operator: bool = False) -> dict[str, Any]:
         """Tombstone ``subject`` and queue its deletion; the erasure as :meth:`erasure` shows it. A
         subject with an erasure still pending gets that one (asking twice is not two deletions);
         a tenant with :data:`MAX_PENDING_ERASURES` pending gets a 429."""
         same, pending = await db(erasure.pending_for, self.sessions, subject)
         if same is not None:
             log.info("erasure %d asked again by %s: still pending", same, requested_by)
-            found = await self.erasure(same, subject.tenant)
+            found = await self.erasure(same, subject.tenant, operator=operator)
             assert found is not None
             return found
         if pending >= MAX_PENDING_ERASURES:
@@ -200,7 +203,7 @@ class DataServing:
         erasure_id = await db(erasure.request, self.sessions, subject, requested_by)
         log.info("erasure %d requested by %s: %s", erasure_id, requested_by, who(subject))
         self.pending.put(erasure_id)
-        found = await self.erasure(erasure_id, subject.tenant)
+        found = await self.erasure(erasure_id, subject.tenant, operator=operator)
         assert found is not None
         return found
 
@@ -216,12 +219,13 @@ class DataServing:
             log.info("erasure %d done: %d rows deleted (%s)", erasure_id, sum(outcome.counts.values()),
                      ", ".join(f"{outcome.counts[kind]} {kind}" for kind in KINDS))
 
-    async def erasure(self, erasure_id: int, tenant: str | None) -> dict[str, Any] | None:
+    async def erasure(self, erasure_id: int, tenant: str | None, *, operator: bool = False) -> dict[str, Any] | None:
         """Erasure ``erasure_id`` (state, counts, versions, audit), or None where there is none or
-        it is not ``tenant``'s (``None``: any tenant's, for an admin)."""
-        return await db(self.read_erasure, erasure_id, tenant)
+        it is not ``tenant``'s (``None``: any tenant's, for an admin). Shown to a tenant (not
+        ``operator``), a requester other than a tenant key reads "the operator"."""
+        return await db(self.read_erasure, erasure_id, tenant, operator)
 
-    def read_erasure(self, erasure_id: int, tenant: str | None) -> dict[str, Any] | None:
+    def read_erasure(self, erasure_id: int, tenant: str | None, operator: bool = False) -> dict[str, Any] | None:
         if not 0 < erasure_id < 2**63:
             return None
         with self.sessions() as session:
@@ -229,9 +233,12 @@ class DataServing:
             if row is None or (tenant is not None and row.tenant != tenant):
                 return None
             counts = {kind: int(row.counts.get(kind, 0)) for kind in KINDS}
+            by = row.requested_by
+            if not operator and not by.startswith(TENANT_CALLER):  # an operator's key id or name is theirs
+                by = "the operator"
             return {"object": "erasure", "id": row.id, "tenant": row.tenant, "user_hash": row.user_hash,
                     "session_id": row.session_id, "state": row.state, "counts": counts, "rows": sum(counts.values()),
-                    "trained_into": list(row.trained_into), "requested_by": row.requested_by,
+                    "trained_into": list(row.trained_into), "requested_by": by,
                     "requested_at": row.requested_at.isoformat(),
                     "completed_at": row.completed_at.isoformat() if row.completed_at else None}
 

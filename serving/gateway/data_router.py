@@ -8,11 +8,12 @@ Admin (an admin key, or a loopback caller while ``gateway.auth`` is off), any te
   ``Location``; the rows are deleted in the background (``flywheel data forget``, flywheel/erasure.py).
 - ``GET /admin/data/erasures/{id}``: its ``state`` (``pending`` | ``done``), ``counts`` per kind,
   ``trained_into``, ``requested_by``, ``requested_at``, ``completed_at``.
-- ``GET /admin/data/export?tenant=T&user=U`` (or ``&session=S``): the rows as JSON Lines
-  (``application/x-ndjson``), as ``flywheel data export`` writes them.
+- ``POST /admin/data/export`` with the same body: the rows as JSON Lines
+  (``application/x-ndjson``), as ``flywheel data export`` writes them. A POST, not a GET with a
+  query: the raw user id stays out of URLs, which proxies and access logs keep.
 
 A tenant's key, its own tenant only: ``POST /v1/data/forget``, ``GET /v1/data/erasures/{id}`` and
-``GET /v1/data/export``, the same bodies and answers with ``tenant`` left out (or naming the key's
+``POST /v1/data/export``, the same bodies and answers with ``tenant`` left out (or naming the key's
 own tenant). A product forwards its end users' requests (GDPR's access and erasure), so it acts
 for its users as the operator does, within its tenant.
 
@@ -22,7 +23,8 @@ Invariants:
   does not exist. The tenant is the key's (``serving.gateway.auth``); no header or body widens it.
 - With ``gateway.auth`` off the tenant routes answer loopback callers only, like the admin routes:
   without keys anyone could name the default tenant's users.
-- The audit's ``requested_by`` names the key by its id (or the loopback caller), never the key.
+- The audit's ``requested_by`` names the key by its id (or the loopback caller), never the key; a
+  tenant reading an erasure an operator asked for sees ``the operator``, not the admin key's id.
 
 Each route only translates HTTP; :class:`~serving.gateway.data.DataServing` does the work. A route
 function's docstring becomes its ``description`` in the OpenAPI document.
@@ -38,7 +40,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 
 from serving.errors import APIError, from_pydantic
-from serving.gateway.data import NDJSON, SubjectRequest
+from serving.gateway.data import NDJSON, TENANT_CALLER, SubjectRequest
 from serving.gateway.openapi import body_schema
 from serving.gateway.services import Services, services
 from serving.protocol import read_json_body
@@ -60,7 +62,7 @@ async def admin_forget(request: Request) -> JSONResponse:
     gateway = services(request)
     who = await gateway.access.admin(request)
     body = await subject_body(request, gateway)
-    answer = await gateway.data.forget(gateway.data.subject(body, required_tenant(body)), who)
+    answer = await gateway.data.forget(gateway.data.subject(body, required_tenant(body)), who, operator=True)
     return accepted(answer, "/admin")
 
 
@@ -69,17 +71,16 @@ async def admin_erasure(erasure_id: int, request: Request) -> dict[str, Any]:
     """An erasure's state, rows deleted per kind, the versions trained on them, and its audit."""
     gateway = services(request)
     await gateway.access.admin(request)
-    return found(await gateway.data.erasure(erasure_id, None), erasure_id)
+    return found(await gateway.data.erasure(erasure_id, None, operator=True), erasure_id)
 
 
-@router.get("/admin/data/export")
-async def admin_export(request: Request, tenant: str | None = None, user: str | None = None,
-                       session: str | None = None) -> StreamingResponse:
+@router.post("/admin/data/export", openapi_extra=body_schema(SubjectRequest))
+async def admin_export(request: Request) -> StreamingResponse:
     """A tenant's end user's (``user``) or session's rows as JSON Lines."""
     gateway = services(request)
     who = await gateway.access.admin(request)
-    query = subject_query(tenant, user, session)
-    return streamed(await gateway.data.export(gateway.data.subject(query, required_tenant(query)), who))
+    body = await subject_body(request, gateway)
+    return streamed(await gateway.data.export(gateway.data.subject(body, required_tenant(body)), who))
 
 
 # A tenant's own --------------------------------------------------------------------------------
@@ -102,14 +103,13 @@ async def erasure(erasure_id: int, request: Request) -> dict[str, Any]:
     return found(await gateway.data.erasure(erasure_id, tenant), erasure_id)
 
 
-@router.get("/v1/data/export")
-async def export(request: Request, tenant: str | None = None, user: str | None = None,
-                 session: str | None = None) -> StreamingResponse:
+@router.post("/v1/data/export", openapi_extra=body_schema(SubjectRequest))
+async def export(request: Request) -> StreamingResponse:
     """One of this key's tenant's end users' (``user``) or sessions' rows as JSON Lines."""
     gateway = services(request)
     own, who = await tenant_caller(request, gateway)
-    query = scoped(subject_query(tenant, user, session), own)
-    return streamed(await gateway.data.export(gateway.data.subject(query, own), who))
+    body = scoped(await subject_body(request, gateway), own)
+    return streamed(await gateway.data.export(gateway.data.subject(body, own), who))
 
 
 # Translation -----------------------------------------------------------------------------------
@@ -120,7 +120,7 @@ async def tenant_caller(request: Request, gateway: Services) -> tuple[str, str]:
     principal = await gateway.access.caller(request)
     if gateway.access.keys is None:
         return principal.tenant, await gateway.access.admin(request)
-    return principal.tenant, f"API key {principal.key_id}"
+    return principal.tenant, f"{TENANT_CALLER}{principal.key_id}"
 
 
 def scoped(subject: SubjectRequest, tenant: str) -> SubjectRequest:
@@ -141,13 +141,6 @@ async def subject_body(request: Request, gateway: Services) -> SubjectRequest:
     body = await read_json_body(request, MAX_BODY_BYTES, gateway.settings.gateway.body_read_timeout_s)
     try:
         return SubjectRequest.model_validate(body)
-    except ValidationError as exc:
-        raise from_pydantic(exc) from None
-
-
-def subject_query(tenant: str | None, user: str | None, session: str | None) -> SubjectRequest:
-    try:
-        return SubjectRequest(tenant=tenant, user=user, session=session)
     except ValidationError as exc:
         raise from_pydantic(exc) from None
 
