@@ -67,7 +67,8 @@ from flywheel.settings import Settings
 from flywheel.weights.registry import Registry, VersionInfo, VersionNotFound
 from trainer.distributed import Dist
 
-FORMAT = 1
+#: 2 added ``sharded``; format-1 files (no such key) still load.
+FORMAT = 2
 #: The suffix of a sharded checkpoint's folder.
 SHARDS = ".dcp"
 _NAME = re.compile(r"^step-(\d{10})\.pt$")
@@ -133,8 +134,9 @@ def save_sharded(dist: Dist, directory: Path, model: torch.nn.Module, optimizer:
     Every rank writes its shards of the master and optimizer state into a hidden folder
     (:meth:`Dist.save_sharded_state`); rank 0 then renames it to ``step-<step>.dcp`` and writes the
     checkpoint file naming it, atomically as :func:`save` does. The file is the commit point: a crash
-    before it leaves a folder no checkpoint names (removed by the next save or load) and the
-    previous checkpoint stands, as in the crash windows above."""
+    before it leaves a hidden folder (removed by the next load or save) or a folder no checkpoint
+    names (removed by the next save); neither is ever loaded, and the previous checkpoint stands,
+    as in the crash windows above."""
     step = dist.broadcast_object(checkpoint.step if checkpoint is not None else None)
     name = f"step-{step:010d}{SHARDS}"
     tmp = directory / f".{name}.tmp"
@@ -147,6 +149,7 @@ def save_sharded(dist: Dist, directory: Path, model: torch.nn.Module, optimizer:
     if not dist.is_main:
         return directory / name
     assert checkpoint is not None and not checkpoint.model and not checkpoint.optimizer
+    _fsync_dir(tmp)  # the ranks' files are fsynced by DCP; their names in the folder here
     os.replace(tmp, directory / name)
     _fsync_dir(directory)
     checkpoint.sharded = name
@@ -177,8 +180,8 @@ def load_latest(directory: Path, model_line: str) -> Checkpoint | None:
         data = torch.load(paths[-1], map_location="cpu", weights_only=True)
     except Exception as exc:  # any unpickling or zip failure: say which file
         raise CheckpointError(f"cannot read the newest trainer checkpoint {paths[-1]}: {exc}") from exc
-    if data.pop("format", None) != FORMAT:
-        raise CheckpointError(f"{paths[-1]} is not a format-{FORMAT} trainer checkpoint")
+    if data.pop("format", None) not in (1, FORMAT):
+        raise CheckpointError(f"{paths[-1]} is not a format-1 or format-{FORMAT} trainer checkpoint")
     checkpoint = Checkpoint(**data)
     if checkpoint.model_line != model_line:
         raise CheckpointError(f"{paths[-1]} is for model line {checkpoint.model_line!r}, not {model_line!r}")

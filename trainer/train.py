@@ -200,6 +200,11 @@ def _train(settings: Settings, stop: threading.Event, dist: Dist) -> None:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: min(1.0, (i + 1) / cfg.warmup_steps))
     if start["sharded"]:  # any number of ranks, this one included, reads its slices of the shards
         checkpoint.load_sharded(dist, ckpt_dir, model, optimizer, resumed)
+        if not sharded and dist.enabled:  # gathered versions from here on: rank 0's export replica takes them
+            master = dist.full_state_dict(model)  # a collective: every rank
+            if exporter is not policy:
+                exporter.load_master(master)
+            del master
     elif start["scheduler"] is not None:
         dist.load_optimizer_state(model, optimizer, resumed.optimizer if resumed is not None else {})
     if start["scheduler"] is not None:
