@@ -44,7 +44,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -198,19 +198,23 @@ def _erase(sessions: sessionmaker[Session], erasure_id: int, subject: Subject, r
     return total
 
 
-def erase_found(db: Session, erasure_id: int, tenant: str, session_ids: set[str]) -> int:
+def erase_found(db: Session, erasure_id: int, tenant: str, session_ids: set[str], *,
+                user_hash: str | None = None) -> int:
     """Within ``db``'s transaction, delete what is stored of sessions a stage just found to be an
     erased user's (flywheel/tombstones.py; a few rows: feedback read before the session's
-    generations, say), counted in the erasure; their other users' generations stay. Rows deleted."""
-    from sqlalchemy import delete
+    generations, say), counted in the erasure; their other users' generations stay, and the user's
+    own (``user_hash``: a stage that stored them before it knew of the erasure) go. Rows deleted."""
+    from sqlalchemy import and_, delete
 
     from flywheel.db.models import Erasure
 
     total = 0
     for session_id in sorted(session_ids):
         for rows in reversed(subject_rows(Subject(tenant, session_id=session_id))):
-            if rows.kind == "generation":
+            if rows.kind == "generation" and user_hash is None:
                 continue
+            if rows.kind == "generation":
+                rows = replace(rows, where=and_(rows.where, rows.model.user_hash == user_hash))
             deleted = db.execute(delete(rows.model).where(rows.where)
                                  .execution_options(synchronize_session=False)).rowcount or 0
             if deleted:

@@ -72,6 +72,10 @@ tombstoned user sent before the erasure was requested, is dropped before anythin
 ``erased``); such a generation tombstones its session for every stage, and what ingest stored of
 that session before (its feedback, read first) is deleted with it. A session tombstoned while
 open is never closed into a trajectory (it becomes ``empty``, and its cached events are forgotten).
+The tombstones this worker holds may be up to ``tombstones.REFRESH_S`` old, and an erasure's own
+passes list the user's sessions when they run: so once a batch is stored the worker reads them
+again (:meth:`_recheck`) and an erasure that committed meanwhile takes what the batch stored of
+its user, the new sessions included, before any of it is emitted.
 
 Late feedback: feedback for a closed session within ``ingest.late_horizon_s`` of its close (in
 event time: the feedback's ``ts`` after the newest event of the closed trajectory) re-opens it:
@@ -163,14 +167,18 @@ class Ingestor:
         decoded = self._drop_erased(decoded)
         if decoded:
             try:
-                self._emit(self._apply([event for _, event in decoded]))
+                closed = self._apply([event for _, event in decoded])
+                self._recheck(decoded)
+                self._emit(closed)
             except BAD_ROW as exc:
                 log.warning("a batch of %d events could not be stored (%s); writing them one by one",
                             len(decoded), _why(exc)[:200])
                 self.counters["batches_split"] += 1
                 for record, event in decoded:
                     try:
-                        self._emit(self._apply([event]))
+                        closed = self._apply([event])
+                        self._recheck([(record, event)])
+                        self._emit(closed)
                     except BAD_ROW as one:
                         self._dead_letter(record, consumer, f"refused by the database: {_why(one)}"
                                           if isinstance(one, (DataError, IntegrityError))
@@ -220,6 +228,28 @@ class Ingestor:
         kept = [(record, event) for record, event in decoded if not tombstones.drops_session(event.tenant, event.session_id)]
         self.counters["erased"] += len(decoded) - len(kept)
         return kept
+
+    def _recheck(self, stored: list[tuple[Record, Event]]) -> None:
+        """After ``stored`` committed: tombstones new since :meth:`_drop_erased` read them cover
+        the erased users' generations just stored (module docstring): their sessions are tombstoned
+        and what is stored of them goes, the user's generations too (``_produce`` then emits none)."""
+        tombstones = self.tombstones
+        if not tombstones.refresh(force=True):
+            return
+        self.cache.purge(lambda event: tombstones.drops_session(event.tenant, event.session_id))
+        found: dict[tuple[int, str, str], set[str]] = {}  # (erasure, tenant, user hash) -> sessions
+        for _, event in stored:
+            if isinstance(event, GenerationEvent) and event.user_hash is not None:
+                erasure_id = tombstones.erasure_of(event.tenant, event.user_hash, event.ts)
+                if erasure_id is not None:
+                    found.setdefault((erasure_id, event.tenant, event.user_hash), set()).add(event.session_id)
+        if not found:
+            return
+        with self.sessions() as db, db.begin():
+            for (erasure_id, tenant, user_hash), session_ids in found.items():
+                tombstones.cover(db, erasure_id, {(tenant, s) for s in session_ids})
+                erasure.erase_found(db, erasure_id, tenant, session_ids, user_hash=user_hash)
+        self.counters["erased_after_store"] += sum(len(s) for s in found.values())
 
     def _dead_letter(self, record: Record, consumer: Consumer, reason: str) -> None:
         route_to_dlq(consumer, record, reason, self.counters, log)

@@ -104,7 +104,14 @@ def process(
     if require_stored and decoded:
         with sessions() as db:
             known = store.stored_trajectories(db, (traj.event_id for _, traj in decoded))
-        for record, traj in [(r, t) for r, t in decoded if t.event_id not in known]:
+        missing = [(r, t) for r, t in decoded if t.event_id not in known]
+        if missing and tombstones is not None:  # an erasure may have deleted it since the last read:
+            tombstones.refresh(force=True)  # dropped, never dead-lettered (the letter would keep it)
+            erased = {id(r) for r, t in missing if tombstones.drops_session(t.tenant, t.session_id)}
+            counters["erased"] += len(erased)
+            missing = [(r, t) for r, t in missing if id(r) not in erased]
+            decoded = [(r, t) for r, t in decoded if id(r) not in erased]
+        for record, traj in missing:
             route_to_dlq(consumer, record, f"unknown TrajectoryEvent: ingest stored no trajectory "
                          f"{traj.trajectory_id!r} revision {traj.revision} (event {traj.event_id}): not from ingest",
                          counters, log)

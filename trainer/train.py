@@ -342,8 +342,12 @@ def _train(settings: Settings, stop: threading.Event, dist: Dist) -> None:
                     offsets.done(entry.record)
             polled = [r for r in consumer.poll(timeout_s=0.0 if busy else POLL_TIMEOUT_S, max_records=MAX_RECORDS)
                       if offsets.track(r)]  # not tracked: redelivered after a restart; the checkpoint holds its fate
-            for record, sample, problem in vet(polled, settings.model.line, vocab_size,
-                                               scored_rows if cfg.require_stored else None):
+            vetted = vet(polled, settings.model.line, vocab_size, scored_rows if cfg.require_stored else None)
+            if any(sample is not None and problem is not None for _, sample, problem in vetted) \
+                    and tombstones.refresh(force=True):  # an erasure may have deleted its row since the last read
+                for entry in buffer.purge_erased(erased):
+                    offsets.done(entry.record)
+            for record, sample, problem in vetted:
                 if sample is not None and erased(sample):  # never dead-lettered: the letter would keep it
                     buffer.dropped["erased"] += 1
                     offsets.done(record)

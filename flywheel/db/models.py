@@ -346,7 +346,8 @@ class Erasure(Base):
     trained_into: Mapped[list] = mapped_column(JSON, default=list)
 
     __table_args__ = (Index("ix_erasures_subject", "tenant", "user_hash", "session_id"),
-                      Index("ix_erasures_state", "state"))
+                      Index("ix_erasures_state", "state"),
+                      Index("ix_erasures_requested_at", "requested_at"))  # the stages' tombstone reads
 
 
 class ErasureSession(Base):

@@ -109,6 +109,39 @@ def test_ingest_drops_an_erased_users_records_in_flight_and_keeps_their_later_se
     assert read_topic(h.settings, dlq_topic(h.settings.topic("generations")), timeout_s=1) == []
 
 
+def test_an_erasure_committed_while_ingest_stores_a_batch_takes_the_batch_before_it_is_emitted(
+        harness: Harness, monkeypatch) -> None:
+    """The race: ingest read the tombstones (none), the erasure commits and lists alice's stored
+    sessions (not this batch's new one, not committed yet), then the batch commits. Ingest reads the
+    tombstones again once the batch is stored: the new session is tombstoned, its rows and alice's
+    generations go, and no trajectory of it is emitted."""
+    h, rng = harness, random.Random(11)
+    sessions = make_session_factory(h.engine)
+    start = datetime.now(UTC) - timedelta(seconds=30)
+    new, bobs = session("n1", ALICE, start, 2, rng), session("b2", BOB, start, 1, rng)
+    produce(h.settings, new.events + bobs.events)
+    h.ingestor.tombstones.refresh_s = 3600  # its read is fresh: the batch would pass on it alone
+    h.ingestor.tombstones.refresh(force=True)
+    store_batch, asked = h.ingestor._apply, []
+
+    def erased_meanwhile(events):  # the erasure commits between ingest's read and its commit
+        if not asked:
+            asked.append(erasure.request(sessions, Subject("acme", user_hash=ALICE), "dpo"))
+        return store_batch(events)
+
+    monkeypatch.setattr(h.ingestor, "_apply", erased_meanwhile)
+    consumer = h.consumer("t-ingest", "generations", "feedback")
+    h.ingest(consumer, h.drain(consumer, len(new.events) + len(bobs.events)))
+    with sessions() as db:
+        covered = set(db.scalars(select(ErasureSession.session_id).where(ErasureSession.erasure_id == asked[0])))
+        stored = {kind: set(db.scalars(select(model.session_id)))
+                  for kind, model in (("generation", Generation), ("feedback", Feedback), ("trajectory", Trajectory))}
+    assert covered == {"n1"} and stored == {"generation": {"b2"}, "feedback": {"b2"}, "trajectory": {"b2"}}
+    assert h.ingestor.counters["erased_after_store"] == 1
+    on_bus = {TrajectoryEvent.from_bytes(r.value).session_id for r in read_topic(h.settings, h.settings.topic("trajectories"))}
+    assert on_bus == {"b2"}
+
+
 def test_a_session_tombstoned_while_open_is_never_closed(harness: Harness) -> None:
     h, rng = harness, random.Random(8)
     sessions = make_session_factory(h.engine)
@@ -127,13 +160,20 @@ def test_a_session_tombstoned_while_open_is_never_closed(harness: Harness) -> No
     assert read_topic(h.settings, h.settings.topic("trajectories"), timeout_s=1) == []
 
 
+@pytest.mark.parametrize("known", ["before", "after_its_last_read"])
 def test_the_rewards_stage_drops_an_erased_sessions_trajectories_without_a_dead_letter(
-        harness: Harness, tmp_path) -> None:
+        harness: Harness, tmp_path, known: str) -> None:
+    """Known to the stage before the batch, or erased after the stage's last read of the
+    tombstones (it re-reads at most every second): the trajectory whose row the erasure deleted is
+    dropped, not dead-lettered as one ingest never stored (the letter would keep it)."""
     h, rng = harness, random.Random(9)
     sessions = make_session_factory(h.engine)
     start = datetime.now(UTC) - timedelta(seconds=30)
     trajs = [assemble("acme", s.session_id, s.generations, s.feedback, closed_reason="outcome")
              for s in (session("x1", ALICE, start, 1, rng), session("y1", BOB, start, 1, rng))]
+    tombstones = Tombstones(sessions, refresh_s=60)  # a slow clock: the batch comes before the next read
+    if known == "after_its_last_read":
+        tombstones.refresh()
     erasure.request(sessions, Subject("acme", session_id="x1"), "dpo")
     topic = h.settings.topic("trajectories")
     produce_raw = [("trajectories", t.session_id, t.to_bytes()) for t in trajs]
@@ -149,7 +189,7 @@ def test_the_rewards_stage_drops_an_erased_sessions_trajectories_without_a_dead_
         records = [r for _ in range(5) for r in consumer.poll(0.3, 100)]
         assert len(records) == 2
         process(records, consumer, sessions, producer, Scorer(spec), Normaliser(spec.normalise), scored_topic, counters,
-                require_stored=True, tombstones=Tombstones(sessions))
+                require_stored=True, tombstones=tombstones)
     finally:
         producer.close()
         consumer.close()
@@ -182,6 +222,7 @@ def test_the_second_pass_deletes_what_a_stage_stored_before_it_saw_the_tombstone
     late = session("p2", ALICE, start + timedelta(seconds=5), 1, rng)  # sent before the request, ingested after it
     h.ingestor.tombstones = Tombstones(sessions, refresh_s=3600.0)  # a stage a refresh behind the erasure
     h.ingestor.tombstones.refresh()
+    monkeypatch.setattr(h.ingestor, "_recheck", lambda stored: None)  # and not reading them after storing
     erasure_id = erasure.request(sessions, Subject("acme", user_hash=ALICE), "dpo")
 
     def settle(seconds: float) -> None:  # what the stage does during the erasure's settle time
@@ -200,13 +241,15 @@ def test_the_second_pass_deletes_what_a_stage_stored_before_it_saw_the_tombstone
     assert erasure.sweep(sessions) == 0  # nothing left for the janitor
 
 
-def test_the_janitors_sweep_deletes_what_a_stage_stored_late_and_keeps_the_users_new_sessions(harness: Harness) -> None:
+def test_the_janitors_sweep_deletes_what_a_stage_stored_late_and_keeps_the_users_new_sessions(
+        harness: Harness, monkeypatch) -> None:
     h, rng = harness, random.Random(11)
     sessions = make_session_factory(h.engine)
     start = datetime.now(UTC) - timedelta(seconds=30)
     consumer = ingested(h, "q1", start, rng)
     h.ingestor.tombstones = Tombstones(sessions, refresh_s=3600.0)  # a stage that was down through the erasure
     h.ingestor.tombstones.refresh()
+    monkeypatch.setattr(h.ingestor, "_recheck", lambda stored: None)  # and stored without seeing the tombstone
     erasure_id = erasure.request(sessions, Subject("acme", user_hash=ALICE), "dpo")
     erasure.complete(sessions, erasure_id, settle_s=0)
     assert erasure.sweep(sessions) == 0
