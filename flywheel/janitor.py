@@ -2,14 +2,18 @@
 
 Each turn runs :func:`tasks` in order, then waits, beating (``flywheel health janitor``):
 
-1. ``retention``: the database's retention job (flywheel/retention.py), each tenant's policy;
-2. ``bus_retention``: on the embedded bus, the expired segments of the local log are sealed and
-   erased (:meth:`flywheel.bus.locallog.LocalLogBus.expire`; a Kafka broker expires its own
-   segments by the topics' ``retention.ms``);
-3. ``erasure_resume``: completes the erasures still pending :data:`flywheel.erasure.STALE_AFTER`
+1. ``erasure_resume``: completes the erasures still pending :data:`flywheel.erasure.STALE_AFTER`
    after their request (the gateway or CLI that took them died; flywheel/erasure.py, step 3);
-4. ``erasure_sweep``: deletes what a stage stored of an erased subject after its erasure was done
-   (:func:`flywheel.erasure.sweep`).
+   also every :data:`ERASURES_EVERY_S` while the janitor waits, so an erasure left pending by a
+   crash is done minutes after it went stale, not at the next turn;
+2. ``erasure_sweep``: deletes what a stage stored of an erased subject after its erasure was done
+   (:func:`flywheel.erasure.sweep`);
+3. ``retention``: the database's retention job (flywheel/retention.py), each tenant's policy;
+4. ``bus_retention``: on the embedded bus, the expired segments of the local log are sealed and
+   erased (:meth:`flywheel.bus.locallog.LocalLogBus.expire`; a Kafka broker expires its own
+   segments by the topics' ``retention.ms``).
+
+Erasures go first: a person's request does not wait for, or fail with, the retention job.
 
 More periodic tasks join :func:`tasks` (one ``(name, callable)`` pair each). Errors
 propagate: the process ends and its supervisor restarts it, as for every other worker; a task that
@@ -36,6 +40,8 @@ log = logging.getLogger(__name__)
 
 #: The longest wait between two beats while the janitor sleeps.
 BEAT_EVERY_S = 5.0
+#: Seconds between two looks for stale pending erasures while the janitor waits for its next turn.
+ERASURES_EVERY_S = 60.0
 
 
 def tasks(settings: Settings, sessions: sessionmaker[Session], bus: Bus | None,
@@ -45,14 +51,14 @@ def tasks(settings: Settings, sessions: sessionmaker[Session], bus: Bus | None,
     from flywheel import erasure, retention
 
     out: list[tuple[str, Callable[[], Any]]] = [
+        ("erasure_resume", lambda: [o.erasure_id for o in erasure.resume(sessions, erasure.STALE_AFTER)]),
+        ("erasure_sweep", lambda: erasure.sweep(sessions)),
         ("retention", lambda: retention.run_once(settings.tenants, sessions, batch=settings.retention.batch,
                                                  rest=settings.retention.rest, progress=beat)),
     ]
     expire = getattr(bus, "expire", None)
     if expire is not None:
         out.append(("bus_retention", lambda: expire(settings.bus.retention_hours * 3600)))
-    out.append(("erasure_resume", lambda: [o.erasure_id for o in erasure.resume(sessions, erasure.STALE_AFTER)]))
-    out.append(("erasure_sweep", lambda: erasure.sweep(sessions)))
     return out
 
 
@@ -68,6 +74,7 @@ def run(settings: Settings, stop: threading.Event | None = None) -> None:
     try:
         sessions = make_session_factory(engine)
         turns = tasks(settings, sessions, bus, heartbeat.beat)
+        resume = dict(turns)["erasure_resume"]
         while not stop.is_set():
             for name, task in turns:
                 heartbeat.beat()
@@ -76,8 +83,13 @@ def run(settings: Settings, stop: threading.Event | None = None) -> None:
                 log.info("janitor: %s done in %.1f s: %s", name, time.monotonic() - started,
                          getattr(result, "as_json", lambda r=result: r)())
             due = time.monotonic() + settings.retention.interval_s
+            look = time.monotonic() + ERASURES_EVERY_S
             while not stop.wait(max(0.0, min(BEAT_EVERY_S, due - time.monotonic()))) and time.monotonic() < due:
                 heartbeat.beat()
+                if time.monotonic() >= look:
+                    look = time.monotonic() + ERASURES_EVERY_S
+                    if done := resume():
+                        log.info("janitor: completed stale erasures %s", done)
     finally:
         heartbeat.close()
         bus.close()

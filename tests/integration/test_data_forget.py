@@ -108,6 +108,37 @@ def test_the_janitor_completes_an_erasure_its_process_left_pending_once_it_is_st
     assert turns["erasure_sweep"]() == 0  # nothing stored since
 
 
+def test_the_janitor_completes_a_stale_erasure_between_its_turns(stored, tmp_path, monkeypatch) -> None:  # noqa: F811
+    """A request left pending by a crash does not wait for the next hourly turn (nor for, or on,
+    the retention job): the janitor looks for stale ones every ERASURES_EVERY_S while it waits."""
+    import threading
+    import time
+    from datetime import UTC, datetime
+
+    from flywheel import janitor
+
+    sessions = stored
+    monkeypatch.setattr(janitor, "ERASURES_EVERY_S", 0.2)
+    url = sessions.kw["bind"].url.render_as_string(hide_password=False)
+    settings = load_settings(None, data_dir=str(tmp_path), db={"url": url}, bus={"kind": "local"},
+                             retention={"interval_s": 3600})
+    stop = threading.Event()
+    worker = threading.Thread(target=janitor.run, args=(settings, stop))
+    worker.start()
+    try:
+        time.sleep(1.0)  # its turn is done: the next one is an hour away
+        stale = erasure.request(sessions, Subject("acme", session_id="s1"), "ops")  # its gateway died
+        with sessions() as db, db.begin():
+            db.get(Erasure, stale).requested_at = datetime.now(UTC) - erasure.STALE_AFTER * 2
+        deadline = time.monotonic() + 15
+        while erasure.pending(sessions) and time.monotonic() < deadline:
+            time.sleep(0.1)
+    finally:
+        stop.set()
+        worker.join(30)
+    assert erasure.pending(sessions) == [] and rows_of(sessions, Subject("acme", session_id="s1")) == {}
+
+
 def test_on_sqlite_the_deleted_text_leaves_the_file_and_its_log(sqlite_url: str) -> None:
     from datetime import UTC, datetime
 
