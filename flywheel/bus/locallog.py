@@ -575,7 +575,12 @@ class LocalLogConsumer:
             return False
         if position == size:
             return position > 0  # at the end; a later frame there must carry ``offset`` (checked on read)
-        found = scan(fd, position, offset, max_records=1, path=str(path))
+        try:
+            found = scan(fd, position, offset, max_records=1, path=str(path))
+        except CorruptLogError:
+            if not taken_away(fd, path):
+                raise
+            return False  # being erased since it was opened: the scan from its start says so too
         return bool(found.frames) or found.torn
 
     # the consumer API ------------------------------------------------------------------------

@@ -169,6 +169,42 @@ def test_a_reader_holding_a_segment_being_erased_seeks_again_and_a_crashed_erasu
     consumer.close()
 
 
+def test_a_consumer_resuming_inside_a_segment_zeroed_as_it_opens_it_seeks_on(tmp_path, monkeypatch) -> None:
+    """A group's committed position lies in segment 0; the janitor renames and zeroes that segment
+    just after the new consumer opened it: the consumer seeks on to what is kept, never raising."""
+    from flywheel.bus import locallog
+    from flywheel.bus.segments import ERASING, segment_path
+
+    bus = LocalLogBus(tmp_path, partitions=1, segment_bytes=300, retention_s=3600)
+    send(bus, [b"old-secret-%03d" % i for i in range(20)])
+    directory = bus.topic_dir(TOPIC)
+    bases = segment_bases(directory, 0)
+    first = bus.consumer("g", [TOPIC])
+    got = read_all(first, 3)
+    first.commit(got[:3])  # offset 3, a position inside segment 0
+    assert bases[1] > 3
+    first.close()
+    victim = segment_path(directory, 0, bases[0])
+    position = json.loads(next(tmp_path.rglob("groups/g/*/0.offset")).read_text())["position"]
+    real_open = os.open
+
+    def open_then_erase(path, flags, *args):  # the janitor, between the consumer's open and its read
+        fd = real_open(path, flags, *args)
+        if str(path) == str(victim) and victim.exists():
+            erasing = victim.with_name(victim.name + ERASING)
+            os.rename(victim, erasing)
+            with open(erasing, "r+b") as zeroed:  # zeroed up to inside the frame at the committed position
+                zeroed.write(bytes(position + 7))
+        return fd
+
+    monkeypatch.setattr(locallog.os, "open", open_then_erase)
+    resumed = bus.consumer("g", [TOPIC])
+    rest = read_all(resumed, 20 - bases[1])
+    monkeypatch.undo()
+    assert [r.offset for r in rest] == list(range(bases[1], 20))  # segment 0 went: on from what is kept
+    resumed.close()
+
+
 def test_kafka_topics_are_created_with_a_retention(kafka_bootstrap) -> None:
     from kafka.admin import ConfigResource, ConfigResourceType
 
