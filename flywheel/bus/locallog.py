@@ -76,6 +76,7 @@ from flywheel.bus.segments import (
     expire,
     first_timestamp_ms,
     open_for_append,
+    scan_kept,
     segment_bases,
     segment_path,
     segment_s_for,
@@ -554,11 +555,8 @@ class LocalLogConsumer:
         # Scan the segment once from its start to find the offset.
         pos, nxt = 0, base
         while nxt < offset:
-            try:
-                found = scan(owned.log_fd, pos, nxt, max_records=min(10_000, offset - nxt), path=str(owned.log_path))
-            except CorruptLogError:
-                if not taken_away(owned.log_fd, owned.log_path):
-                    raise
+            found = scan_kept(owned.log_fd, pos, nxt, max_records=min(10_000, offset - nxt), path=owned.log_path)
+            if found is None:
                 return False  # being erased: look again at the next read
             if not found.frames:
                 break  # fewer records than the offset (yet): wait at the end
@@ -575,11 +573,8 @@ class LocalLogConsumer:
             return False
         if position == size:
             return position > 0  # at the end; a later frame there must carry ``offset`` (checked on read)
-        try:
-            found = scan(fd, position, offset, max_records=1, path=str(path))
-        except CorruptLogError:
-            if not taken_away(fd, path):
-                raise
+        found = scan_kept(fd, position, offset, max_records=1, path=path)
+        if found is None:
             return False  # being erased since it was opened: the scan from its start says so too
         return bool(found.frames) or found.torn
 
@@ -611,12 +606,9 @@ class LocalLogConsumer:
             if not self._open_log(state):
                 continue
             assert state.log_fd is not None
-            try:
-                found = scan(state.log_fd, state.position, state.next_offset, max_records=max_records - len(out),
-                             path=str(state.log_path))
-            except CorruptLogError:
-                if not taken_away(state.log_fd, state.log_path):
-                    raise
+            found = scan_kept(state.log_fd, state.position, state.next_offset, max_records=max_records - len(out),
+                              path=state.log_path)
+            if found is None:
                 state.close_log()  # being erased under us (segments.erase): seek again (_open_log)
                 state.seeked = False
                 continue

@@ -44,7 +44,7 @@ import os
 import time
 from pathlib import Path
 
-from flywheel.bus.frames import fsync_dir, scan
+from flywheel.bus.frames import CorruptLogError, Scan, fsync_dir, scan
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +123,18 @@ def taken_away(fd: int, path: Path) -> bool:
         return os.stat(path).st_ino != os.fstat(fd).st_ino
     except FileNotFoundError:
         return True
+
+
+def scan_kept(fd: int, position: int, next_offset: int, *, max_records: int | None, path: Path) -> Scan | None:
+    """``frames.scan`` of the segment open as ``fd``; None when it read damage because the segment
+    was taken away (:func:`taken_away`: being zeroed for erasure) since it was opened, so the reader
+    seeks again. Damage in a segment still in place raises :class:`CorruptLogError`, as ``scan`` does."""
+    try:
+        return scan(fd, position, next_offset, max_records=max_records, path=str(path))
+    except CorruptLogError:
+        if not taken_away(fd, path):
+            raise
+        return None
 
 
 def first_timestamp_ms(fd: int, base: int, path: Path) -> int | None:
