@@ -210,22 +210,10 @@ class Ingestor:
     def _drop_erased(self, decoded: list[tuple[Record, Event]]) -> list[tuple[Record, Event]]:
         """``decoded`` without the records of erased subjects (module docstring); the sessions an
         erased user's generations name are tombstoned first, so their other events go too."""
-        tombstones = self.tombstones
-        if tombstones.refresh():
-            self.cache.purge(lambda event: tombstones.drops_session(event.tenant, event.session_id))
-        found: dict[int, set[store.Key]] = {}
-        for _, event in decoded:
-            if isinstance(event, GenerationEvent) and not tombstones.drops_session(event.tenant, event.session_id):
-                erasure_id = tombstones.erasure_of(event.tenant, event.user_hash, event.ts)
-                if erasure_id is not None:
-                    found.setdefault(erasure_id, set()).add((event.tenant, event.session_id))
-        if found:  # tombstoned for every stage, and what this stage stored of them before goes
-            with self.sessions() as db, db.begin():
-                for erasure_id, keys in found.items():
-                    tombstones.cover(db, erasure_id, keys)
-                    for tenant in {tenant for tenant, _ in keys}:
-                        erasure.erase_found(db, erasure_id, tenant, {s for t, s in keys if t == tenant})
-        kept = [(record, event) for record, event in decoded if not tombstones.drops_session(event.tenant, event.session_id)]
+        self._refresh_tombstones()
+        self._take_erased([event for _, event in decoded], stored=False)
+        drops = self.tombstones.drops_session
+        kept = [(record, event) for record, event in decoded if not drops(event.tenant, event.session_id)]
         self.counters["erased"] += len(decoded) - len(kept)
         return kept
 
@@ -233,23 +221,36 @@ class Ingestor:
         """After ``stored`` committed: tombstones new since :meth:`_drop_erased` read them cover
         the erased users' generations just stored (module docstring): their sessions are tombstoned
         and what is stored of them goes, the user's generations too (``_produce`` then emits none)."""
+        if self._refresh_tombstones(force=True):
+            self.counters["erased_after_store"] += self._take_erased([event for _, event in stored], stored=True)
+
+    def _refresh_tombstones(self, force: bool = False) -> bool:
+        """Read the tombstones when due (or ``force``); cached events of newly tombstoned sessions go."""
         tombstones = self.tombstones
-        if not tombstones.refresh(force=True):
-            return
+        if not tombstones.refresh(force=force):
+            return False
         self.cache.purge(lambda event: tombstones.drops_session(event.tenant, event.session_id))
-        found: dict[tuple[int, str, str], set[str]] = {}  # (erasure, tenant, user hash) -> sessions
-        for _, event in stored:
-            if isinstance(event, GenerationEvent) and event.user_hash is not None:
+        return True
+
+    def _take_erased(self, events: list[Event], *, stored: bool) -> int:
+        """Tombstone, for every stage, the sessions of ``events``' generations an erasure covers,
+        and delete what this stage stored of them; with ``stored`` (the events themselves are
+        stored already) the erased user's generations go too, and sessions already tombstoned
+        are taken as well (an erasure's own pass may have run before they were stored). Returns
+        the sessions taken."""
+        tombstones = self.tombstones
+        found: dict[tuple[int, str, str | None], set[str]] = {}  # (erasure, tenant, user hash) -> sessions
+        for event in events:
+            if isinstance(event, GenerationEvent) and (stored or not tombstones.drops_session(event.tenant, event.session_id)):
                 erasure_id = tombstones.erasure_of(event.tenant, event.user_hash, event.ts)
                 if erasure_id is not None:
                     found.setdefault((erasure_id, event.tenant, event.user_hash), set()).add(event.session_id)
-        if not found:
-            return
-        with self.sessions() as db, db.begin():
-            for (erasure_id, tenant, user_hash), session_ids in found.items():
-                tombstones.cover(db, erasure_id, {(tenant, s) for s in session_ids})
-                erasure.erase_found(db, erasure_id, tenant, session_ids, user_hash=user_hash)
-        self.counters["erased_after_store"] += sum(len(s) for s in found.values())
+        if found:
+            with self.sessions() as db, db.begin():
+                for (erasure_id, tenant, user_hash), session_ids in found.items():
+                    tombstones.cover(db, erasure_id, {(tenant, s) for s in session_ids})
+                    erasure.erase_found(db, erasure_id, tenant, session_ids, user_hash=user_hash if stored else None)
+        return sum(len(s) for s in found.values())
 
     def _dead_letter(self, record: Record, consumer: Consumer, reason: str) -> None:
         route_to_dlq(consumer, record, reason, self.counters, log)
