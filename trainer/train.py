@@ -253,6 +253,12 @@ def _train(settings: Settings, stop: threading.Event, dist: Dist) -> None:
 
     def erased(sample: ScoredTrajectory) -> bool:
         return tombstones.drops_session(sample.tenant, sample.session_id)
+
+    def forget_erased(force: bool = False) -> None:
+        """Read the tombstones when due (or ``force``); buffered samples of new ones go."""
+        if tombstones.refresh(force=force):
+            for entry in buffer.purge_erased(erased):
+                offsets.done(entry.record)
     log.info("training %s (%s, %s, %d rank(s) %s on %s%s) from v%d (step %d), lr=%g, batch %d",
              settings.model.line, cfg.mode,
              f"LoRA r={cfg.lora_rank}, {cfg.lora_publish} versions" if policy.lora else "full", dist.world_size,
@@ -337,16 +343,12 @@ def _train(settings: Settings, stop: threading.Event, dist: Dist) -> None:
             if stop.is_set():
                 dist.broadcast_object(("stop",))
                 break
-            if tombstones.refresh():
-                for entry in buffer.purge_erased(erased):
-                    offsets.done(entry.record)
+            forget_erased()
             polled = [r for r in consumer.poll(timeout_s=0.0 if busy else POLL_TIMEOUT_S, max_records=MAX_RECORDS)
                       if offsets.track(r)]  # not tracked: redelivered after a restart; the checkpoint holds its fate
             vetted = vet(polled, settings.model.line, vocab_size, scored_rows if cfg.require_stored else None)
-            if any(sample is not None and problem is not None for _, sample, problem in vetted) \
-                    and tombstones.refresh(force=True):  # an erasure may have deleted its row since the last read
-                for entry in buffer.purge_erased(erased):
-                    offsets.done(entry.record)
+            if any(sample is not None and problem is not None for _, sample, problem in vetted):
+                forget_erased(force=True)  # an erasure may have deleted its row since the last read
             for record, sample, problem in vetted:
                 if sample is not None and erased(sample):  # never dead-lettered: the letter would keep it
                     buffer.dropped["erased"] += 1
