@@ -274,11 +274,26 @@ def test_asking_twice_is_one_erasure_and_a_flood_of_erasures_or_exports_gets_429
         assert error(flood, 429)["code"] == "too_many_pending_erasures" and erasures(api.sessions) == 2
         assert globex.post("/v1/data/forget", json={"session": "s1"}).status_code == 202  # another tenant's own
 
-        api.data.chunk_bytes = 1  # an export that waits on its client: its thread holds the tenant's slot
-        with acme.stream("POST", "/v1/data/export", json={"session": "s9"}) as held:
-            assert held.status_code == 200
-            second = acme.post("/v1/data/export", json={"session": "s9"})
-            assert second.status_code == 429 and error(second, 429)["code"] == "too_many_exports"
-            assert globex.post("/v1/data/export", json={"session": "s1"}).status_code == 200
+        # An export still being written holds the tenant's slot (its reading thread, held here
+        # after acme's first one has written its rows, until released: a small export would
+        # otherwise be done, into the socket's buffers, before the next request).
+        release, real_export = threading.Event(), data.export
+
+        def held_export(sessions: Any, subject: Any, out: Any) -> Any:
+            counts = real_export(sessions, subject, out)
+            if subject.tenant == "acme":
+                release.wait(10)
+            return counts
+
+        monkeypatch.setattr(data, "export", held_export)
+        api.data.chunk_bytes = 1  # its rows reach the client at once: the answer starts before the hold
+        try:
+            with acme.stream("POST", "/v1/data/export", json={"session": "s9"}) as held:
+                assert held.status_code == 200
+                second = acme.post("/v1/data/export", json={"session": "s9"})
+                assert second.status_code == 429 and error(second, 429)["code"] == "too_many_exports"
+                assert globex.post("/v1/data/export", json={"session": "s1"}).status_code == 200
+        finally:
+            release.set()
         wait_until("the held export's slot", lambda: acme.post("/v1/data/export", json={"session": "s9"})
                    .status_code == 200, timeout_s=10)
