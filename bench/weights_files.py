@@ -14,12 +14,17 @@ changes). Then, each as its own process under ``/usr/bin/time``, in the same run
 - ``streaming diff`` / ``streaming apply``: the commands as a user runs them;
 - ``in-memory diff`` / ``in-memory apply`` (unless ``--no-baseline``): the same work through the
   whole-state API (:func:`encode_delta` / :func:`apply_delta` on :func:`decode_full` of the files),
-  what the commands did before they streamed.
+  what the commands did before they streamed;
+- ``node apply``: a vLLM node in full mode going from the base to the target through the registry
+  (SQLite and a folder store in the temp folder: the base published as v0, the target as the delta
+  v1), :func:`flywheel.weights.files.rebuild_file` from the base file it serves to the new file vLLM
+  reloads; ``node apply, whole`` (unless ``--no-baseline``): what the node did before, the base
+  decoded whole, ``Registry.load`` on it and the new state written as one safetensors file.
 
 Per row: wall time (best of ``--repeats``), peak RSS (max over repeats) and its share of the two
 input files' size, GB/s of model bytes (one file's size over the wall time; "after start": over
 the wall time less the imports control, the interpreter's fixed start-up), and the ratio to the
-read+hash control. The apply's output is checked byte for byte against the target file (the
+read+hash control. The apply's and the node's outputs are checked byte for byte against the target file (the
 generator lays files out as :class:`TensorWriter` does, so a correct apply reproduces the file
 exactly), and the streaming delta against the in-memory one. Files are read warm from the page
 cache, as right after a download. Prints a table; ``--json PATH`` writes it.
@@ -61,6 +66,22 @@ if sys.argv[1] == "diff":
 else:
     new = apply_delta(read(sys.argv[2]), Path(sys.argv[3]).read_bytes())
     print(len(new))
+"""
+_NODE = """
+import sys
+from flywheel.db.session import make_engine, make_session_factory
+from flywheel.weights.registry import Registry
+from flywheel.weights.store import FolderStore
+url, store, old, out = sys.argv[2:6]
+registry = Registry(make_session_factory(make_engine(url)), FolderStore(store), "bench")
+if sys.argv[1] == "stream":
+    from flywheel.weights.files import rebuild_file
+    rebuild_file(registry, 1, out, base=(0, [old]))
+else:
+    from flywheel.weights.codec.state import decode_full, encode_full
+    from serving.node.vllm_files import write_synced
+    state = registry.load(1, base=(0, decode_full(open(old, "rb").read())))
+    write_synced(out, encode_full(state))
 """
 _IMPORTS = "import torch, numba, flywheel.weights.codec.streaming, flywheel.weights.codec.tensor_coding"
 
@@ -136,6 +157,26 @@ def _write_file(path: str, size: int) -> None:
     os.unlink(path)
 
 
+def publish_pair(folder: Path, old: str, new: str) -> str:
+    """A registry (SQLite + folder store under ``folder``) whose v0 is ``old`` and v1 the delta to
+    ``new``, as the trainer would have published them; returns its database URL."""
+    from flywheel.db.session import make_engine, make_session_factory, upgrade
+    from flywheel.weights.codec.tensorfile import TensorReader
+    from flywheel.weights.registry import Registry
+    from flywheel.weights.store import FolderStore
+
+    url = f"sqlite:///{folder / 'registry.db'}"
+    upgrade(url)
+    registry = Registry(make_session_factory(make_engine(url)), FolderStore(folder / "store"), "bench", full_every=50)
+    with TensorReader(old) as a, TensorReader(new) as b:
+        base = {n: a.read(n) for n in sorted(a.index)}
+        registry.publish(base, parent=None)
+        info = registry.publish({n: b.read(n) for n in sorted(b.index)}, parent=0, parent_state=base)
+    if info.kind != "delta":
+        raise RuntimeError(f"the registry stored v1 as a {info.kind}, not a delta")
+    return url
+
+
 def timed(cmd: list[str]) -> tuple[float, int]:
     """Wall seconds and peak RSS (bytes) of ``cmd`` run to completion (it must succeed)."""
     with tempfile.NamedTemporaryFile("r") as report:
@@ -179,19 +220,25 @@ def main(argv: list[str] | None = None) -> None:
             ("streaming diff", [*FLYWHEEL, "weights", "diff", old, new, "-o", delta]),
             ("streaming apply", [*FLYWHEEL, "weights", "apply", old, delta, "-o", out]),
         ]
+        url = publish_pair(d, old, new)
+        node_out = str(d / "node.safetensors")
+        cases.append(("node apply", [PYTHON, "-c", _NODE, "stream", url, str(d / "store"), old, node_out]))
         if not args.no_baseline:
             cases += [("in-memory diff", [PYTHON, "-c", _IN_MEMORY, "diff", old, new, delta + ".mem"]),
-                      ("in-memory apply", [PYTHON, "-c", _IN_MEMORY, "apply", old, delta])]
+                      ("in-memory apply", [PYTHON, "-c", _IN_MEMORY, "apply", old, delta]),
+                      ("node apply, whole", [PYTHON, "-c", _NODE, "whole", url, str(d / "store"), old,
+                                             str(d / "node-whole.safetensors")])]
         rows: dict[str, dict[str, Any]] = {}
         for _ in range(args.repeats):
             for label, cmd in cases:
-                if label.startswith("in-memory") and label in rows:
+                if (label.startswith("in-memory") or label.endswith("whole")) and label in rows:
                     continue  # once is enough for the slow whole-state path
                 wall, rss = timed(cmd)
                 row = rows.setdefault(label, {"wall_s": wall, "peak_rss": rss})
                 row["wall_s"], row["peak_rss"] = min(row["wall_s"], wall), max(row["peak_rss"], rss)
-        with open(out, "rb") as a, open(new, "rb") as b:
-            exact = hashlib.sha256(a.read()).digest() == hashlib.sha256(b.read()).digest()
+        with open(out, "rb") as a, open(new, "rb") as b, open(node_out, "rb") as c:
+            target = hashlib.sha256(b.read()).digest()
+            exact = hashlib.sha256(a.read()).digest() == target == hashlib.sha256(c.read()).digest()
         if not args.no_baseline:
             exact = exact and Path(delta).read_bytes() == Path(delta + ".mem").read_bytes()
         delta_bytes = os.path.getsize(delta)

@@ -548,19 +548,14 @@ class Registry:
 
     # --- loading -------------------------------------------------------------------------------
 
-    def load(self, version: int, *, base: tuple[int, State] | None = None) -> State:
-        """The weights of ``version``, rebuilt from the nearest full anchor, or from ``base``
-        (``(base_version, base_state)``) when that version is on the chain; every step's hash is
-        checked against its row."""
+    def chain(self, version: int, base_version: int | None = None) -> tuple[VersionInfo, list[VersionInfo]]:
+        """Where ``version``'s weights are rebuilt from: ``base_version`` when it is on the chain,
+        else the nearest full version; and the deltas to apply on it, oldest first."""
         chain: list[VersionInfo] = []
         seen: set[int] = set()
         with self._sessions() as session:
             current = _info(self._row(session, version))
-            while True:
-                if base is not None and current.version == base[0]:
-                    break
-                if current.kind == "full":
-                    break
+            while current.version != base_version and current.kind != "full":
                 if current.kind != "delta" or current.parent is None:
                     raise WeightsError(f"version {current.version} is a {current.kind!r} with parent {current.parent}")
                 if current.version in seen or current.parent >= current.version:
@@ -571,18 +566,24 @@ class Registry:
                     current = _info(self._row(session, current.parent))
                 except VersionNotFound as exc:
                     raise WeightsError(f"version {version} needs missing parent: {exc}") from exc
+        return current, chain[::-1]
 
-        if base is not None and current.version == base[0]:
+    def load(self, version: int, *, base: tuple[int, State] | None = None) -> State:
+        """The weights of ``version``, rebuilt from the nearest full anchor, or from ``base``
+        (``(base_version, base_state)``) when that version is on the chain; every step's hash is
+        checked against its row."""
+        start, chain = self.chain(version, base[0] if base is not None else None)
+        if base is not None and start.version == base[0]:
             state = base[1]
-            if state_sha256(state) != current.sha256:
-                raise WeightsError(f"base state does not match version {current.version}'s recorded hash")
+            if state_sha256(state) != start.sha256:
+                raise WeightsError(f"base state does not match version {start.version}'s recorded hash")
             if not chain:
                 return {name: t.detach().cpu().clone() for name, t in state.items()}
         else:
-            state = self._rebuild(current, None, None)
+            state = self._rebuild(start, None, None)
 
-        state_sha = current.sha256
-        for info in reversed(chain):
+        state_sha = start.sha256
+        for info in chain:
             state = self._rebuild(info, state, state_sha)
             state_sha = info.sha256
         return state
@@ -590,7 +591,7 @@ class Registry:
     def _rebuild(self, info: VersionInfo, base: State | None, base_sha: str | None) -> State:
         """One version's weights from its object: an anchor, or a delta on ``base`` (hash
         ``base_sha``), or a manifest of either's shards (:mod:`.shards`); the row's hash checked."""
-        data = self._fetch(info)
+        data = self.fetch(info)
         try:
             if is_manifest(info.store_key):
                 return load_sharded(self.store, data, sha256=info.sha256, base=base, base_sha256=base_sha)
@@ -605,7 +606,8 @@ class Registry:
         except DeltaError as exc:
             raise WeightsError(f"version {info.version} ({info.store_key}): {exc}") from exc
 
-    def _fetch(self, info: VersionInfo) -> bytes:
+    def fetch(self, info: VersionInfo) -> bytes:
+        """The object a version's row points at (unchecked: the caller checks what it rebuilds)."""
         if info.status == "collected":
             raise WeightsError(f"version {info.version} was garbage-collected; its weights are gone")
         try:

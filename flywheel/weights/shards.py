@@ -136,15 +136,22 @@ def encode_shard(tensors: State, base: State | None, *, rank: int, key: str) -> 
     return blob, meta
 
 
-def rebuild_shard(store: Store, meta: ShardMeta, base: Mapping[str, torch.Tensor] | None) -> State:
-    """Fetch one shard and rebuild its tensors (a delta on ``base``: the parent's tensors of the
-    same names), every hash checked; :class:`DeltaError` if it is missing, corrupt or foreign."""
+def fetch_shard(store: Store, meta: ShardMeta) -> bytes:
+    """One shard's object, checked against the manifest's length and hash; :class:`DeltaError` if
+    it is missing or differs."""
     try:
         blob = store.get(meta.key)
     except StoreError as exc:
         raise DeltaError(f"shard {meta.rank} ({meta.key}) unavailable: {exc}") from exc
     if len(blob) != meta.bytes or hashlib.sha256(blob).hexdigest() != meta.object_sha256:
         raise DeltaError(f"shard {meta.rank} ({meta.key}) does not match its manifest hash (corrupt)")
+    return blob
+
+
+def rebuild_shard(store: Store, meta: ShardMeta, base: Mapping[str, torch.Tensor] | None) -> State:
+    """Fetch one shard and rebuild its tensors (a delta on ``base``: the parent's tensors of the
+    same names), every hash checked; :class:`DeltaError` if it is missing, corrupt or foreign."""
+    blob = fetch_shard(store, meta)
     if meta.kind == "full":
         state, got = read_full(blob)
     else:

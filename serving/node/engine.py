@@ -206,6 +206,14 @@ class Engine:
     def generate(self, request: GenerationRequest) -> list[Completion]:
         return self.submit(request).result()
 
+    def load_from(self, registry: Any, version: int, *, live: bool = True) -> None:
+        """Load registry ``version`` (``registry.load``, every step's hash checked; deltas applied to
+        the live version's state when it is on the chain) and :meth:`swap` it in."""
+        current = self.current()[0]
+        info = registry.get(version)
+        state = registry.load(version, base=(current, self.state()) if current is not None else None)
+        self.swap(version, state, info.sha256, live=live)
+
     def swap(self, version: int, state: dict[str, torch.Tensor], sha256: str, *, live: bool = True) -> None:
         """Load ``state`` as ``version`` between batches (and make it live unless ``live=False``),
         evicting the least recently used non-live version beyond ``keep_versions``; nothing

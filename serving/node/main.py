@@ -136,7 +136,8 @@ def run_vllm(settings: Settings, stop: threading.Event | None = None) -> None:
     if settings.node.vllm_mode == "lora":
         _run_vllm_lora(settings, stop or threading.Event())
         return
-    from flywheel.weights.codec.state import decode_full, state_sha256
+    from flywheel.weights.codec.state import decode_full
+    from flywheel.weights.files import files_digest
     from serving.node.updater import Updater, node_url
     from serving.node.vllm_adapter import VllmAdapter
     from serving.node.vllm_front import VersionGate, create_front
@@ -147,14 +148,17 @@ def run_vllm(settings: Settings, stop: threading.Event | None = None) -> None:
     with contextlib.ExitStack() as cleanup:
         sessions, registry, live = _open(settings, cleanup)
 
-        base_state: dict = {}
-        for shard in sorted(base_path.glob("*.safetensors")):
-            base_state.update(decode_full(shard.read_bytes()))
-        if not base_state:
+        files = sorted(base_path.glob("*.safetensors"))
+        if not files:
             raise RuntimeError(f"no *.safetensors weights in {base_path} (the folder vLLM was started from)")
-        if registry.latest() is None:
+        digest = files_digest(files)  # read tensor by tensor: the node never holds the model
+        if registry.latest() is None:  # the line's first version: published once, from a whole state
+            base_state: dict = {}
+            for shard in files:
+                base_state.update(decode_full(shard.read_bytes()))
             registry.ensure_base(base_state, reason="vllm node bootstrap: base model")
-        sha = state_sha256(base_state)
+            del base_state
+        sha = digest[0]
         base = next((info for info in registry.versions() if info.sha256 == sha), None)
         if base is None:
             raise RuntimeError(f"the weights in {base_path} are no registered version of {settings.model.line}")
@@ -162,7 +166,7 @@ def run_vllm(settings: Settings, stop: threading.Event | None = None) -> None:
         gate = VersionGate()
         adapter = VllmAdapter(settings.node.vllm_url, registry, work_dir, mode="full",
                               served_model_name=settings.model.line, base_version=base.version,
-                              base_state=base_state, base_path=base_path, gate=gate,
+                              base_path=base_path, base_digest=digest, gate=gate,
                               api_key=settings.node.vllm_api_key)
         cleanup.callback(adapter.close)
         if not adapter.wait_ready(stop):

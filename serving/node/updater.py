@@ -5,9 +5,10 @@
   serves (newer, or older after a rollback) it makes it live: at once when the engine still holds
   it, else through :meth:`update_to`. It then preloads the newest ``canary`` version, if any,
   without making it live (needs ``node.keep_versions >= 2``), so canary sessions find it here.
-- :meth:`update_to` loads the version with ``registry.load(version, base=(current, state))``, which
+- :meth:`update_to` has the engine load the version (``engine.load_from(registry, version)``), which
   applies deltas from the version the node already has and verifies the sha256 of every
-  reconstructed step, then swaps it into the engine between batches.
+  reconstructed step, then swaps it in between batches (the built-in engine: ``registry.load`` into
+  memory; a vLLM node in full mode: file to file, :mod:`flywheel.weights.files`).
 
 Invariants:
 - On any failure (missing blob, corrupt delta, hash mismatch, shape mismatch) the engine keeps
@@ -137,13 +138,10 @@ class Updater:
                 self.updates += 1
                 self._set("serving", f"updated {current} -> {version} (already held)")
                 return UpdateOutcome(True, True, version, self.detail)
-            base = (current, self.engine.state()) if current is not None else None
             self._set("updating", f"loading version {version}")
             started = time.perf_counter()
             try:
-                info = self.registry.get(version)
-                state = self.registry.load(version, base=base)
-                self.engine.swap(version, state, info.sha256, live=live)
+                self.engine.load_from(self.registry, version, live=live)
             except Exception as exc:  # keep serving what we have; report why
                 reason = f"version {version}: {type(exc).__name__}: {exc}"
                 log.error("weight update failed, still serving version %s: %s", current, reason)

@@ -14,22 +14,25 @@ bounded time-outs) for one model line:
   which the node's heartbeat carries to the gateway). vLLM serves the line's fixed base model;
   version 0 of such a line is the zero adapter (``vllm_files.zero_adapter_state``).
 - ``mode="full"``: a version's weights are the full model state (the registry's parameter names,
-  which must be the checkpoint names vLLM's ``model.load_weights`` accepts). It is written as
-  ``work_dir/full/<line>-v<version>/model.safetensors`` and vLLM reloads it in place through the
+  which must be the checkpoint names vLLM's ``model.load_weights`` accepts). It is rebuilt tensor
+  by tensor from the live version's files into ``work_dir/full/<line>-v<version>/model.safetensors``
+  and vLLM reloads it in place through the
   dev-mode ``POST /collective_rpc`` calling the workers' ``reload_weights(weights_path=...,
   is_checkpoint_format=True)``, between ``POST /pause?mode=wait`` and ``POST /resume`` (optional),
   followed by ``POST /reset_prefix_cache`` (cached KV was computed by the old weights). Requests
   keep using the served model name.
 
 The adapter has the engine surface the node's :class:`~serving.node.updater.Updater` drives
-(``current``, ``state``, ``versions``, ``holds``, ``activate``, ``swap``, ``keep_versions``), so the
+(``current``, ``versions``, ``holds``, ``activate``, ``load_from``, ``swap``, ``keep_versions``), so the
 Updater's registry following, canary preloading, failure bookkeeping and heartbeats work
 unchanged; :meth:`apply` is the same step on its own (registry load with hash check, then swap).
 
 Invariants:
 - Only weights whose sha256 equals the registry row reach vLLM: :meth:`swap` re-hashes the state
-  it is handed, and :meth:`apply` loads through ``Registry.load`` (which verifies every step).
-  Files already on disk are re-hashed before they are reused.
+  it is handed, and :meth:`load_from` (which :meth:`apply` and the Updater call) rebuilds through
+  ``Registry.load`` (LoRA) or :func:`~flywheel.weights.files.rebuild_file` (full weights, file to
+  file: the node never holds the model), both of which verify every step. Files already on disk
+  are re-hashed before they are reused.
 - A version is reported live or held only after vLLM answered the call that loads it with success
   (and, for LoRA, lists the adapter in ``/v1/models``). On any failure (HTTP error, time-out,
   refusal) the previous version keeps serving and the failure is raised (:meth:`swap`) or
@@ -67,8 +70,9 @@ from typing import Any, Literal
 import httpx
 
 from flywheel.weights.codec.state import state_sha256
+from flywheel.weights.files import files_digest, files_layout, rebuild_file
 from serving.node.updater import UpdateOutcome
-from serving.node.vllm_files import State, adapter_config, check_lora_state, materialise
+from serving.node.vllm_files import FULL_WEIGHTS, State, adapter_config, check_lora_state, materialise, weight_files
 from serving.node.vllm_probe import logprobs_mode
 
 log = logging.getLogger(__name__)
@@ -110,8 +114,8 @@ class VllmAdapter:
         keep_versions: int = 4,
         lora_config: dict[str, Any] | None = None,
         base_version: int | None = None,
-        base_state: State | None = None,
         base_path: str | os.PathLike[str] | None = None,
+        base_digest: tuple[str, dict[str, Any]] | None = None,
         pause: bool = True,
         gate: Any = None,
         api_key: str = "",
@@ -123,10 +127,12 @@ class VllmAdapter:
         """``served_model_name``: vLLM's ``--served-model-name`` (the model full-mode requests name).
         ``lora_config``: the PEFT ``adapter_config.json`` fields of this line's adapters (at least
         ``target_modules`` and ``lora_alpha``; ``r`` is read from the weights when absent).
-        ``base_version``/``base_state``: full mode, the registry version vLLM was started with and
-        its weights (the base deltas are applied to); without them the first update loads a full
-        reconstruction and :meth:`current` is ``None`` until then. ``base_path``: the model folder
-        vLLM was started from, reloaded to restore the base version after a failed update.
+        ``base_version``/``base_path``: full mode, the registry version vLLM was started with and the
+        model folder it was started from (its ``*.safetensors``: the files the first delta is
+        applied to, and what a failed update restores); without them the first update rebuilds
+        the version from its full anchor and :meth:`current` is ``None`` until then.
+        ``base_digest``: the folder's :func:`~flywheel.weights.files.files_digest` when the caller
+        has it (else it is read here); it must be the base version's recorded hash.
         ``pause``: full mode, drain requests (``/pause?mode=wait``) around the reload so that no
         generation mixes two versions. ``gate``: full mode, an object whose ``exclusive()`` context
         manager is held around each reload (see the module docstring), e.g. the front's
@@ -137,8 +143,8 @@ class VllmAdapter:
             raise ValueError("keep_versions must be at least 1")
         if mode == "lora" and not lora_config:
             raise ValueError("mode='lora' needs lora_config (at least target_modules and lora_alpha)")
-        if mode == "full" and (base_version is None) != (base_state is None):
-            raise ValueError("give both base_version and base_state, or neither")
+        if mode == "full" and (base_version is None) != (base_path is None):
+            raise ValueError("give both base_version and base_path, or neither")
         self.mode: Mode = mode
         self.registry = registry
         self.line: str = registry.model_line
@@ -160,7 +166,7 @@ class VllmAdapter:
         self._lock = threading.RLock()  # what is held and live (held briefly; readers never wait on vLLM)
         self._held: dict[int, tuple[str, Path | None]] = {}  # version -> (sha256, folder on disk)
         self._order: list[int] = []  # least recently loaded or made live first
-        self._states: dict[int, State] = {}  # held versions' states (the live one is the base for deltas)
+        self._states: dict[int, State] = {}  # LoRA: held versions' states (the live one is the base for deltas)
         self._live: int | None = None
         self.status = "serving"
         self.detail = ""
@@ -168,15 +174,13 @@ class VllmAdapter:
         #: Full mode: whether vLLM labels its weights (``/update_weight_version``); None: not asked yet.
         self.weight_versions: bool | None = None
         #: Full mode: the tensor names and shapes of the weights vLLM started from (every version must have them).
-        self._shapes = {n: tuple(t.shape) for n, t in base_state.items()} if base_state is not None else None
-        if mode == "full" and base_version is not None and base_state is not None:
-            sha = state_sha256(base_state)
-            expected = registry.get(base_version).sha256
-            if sha != expected:
-                raise ValueError(f"base_state does not match version {base_version}'s recorded hash")
-            self._held[base_version] = (sha, Path(base_path) if base_path is not None else None)
+        self._shapes: dict[str, tuple[Any, tuple[int, ...]]] | None = None
+        if mode == "full" and base_version is not None and base_path is not None:
+            sha, self._shapes = base_digest or files_digest(weight_files(Path(base_path)))
+            if sha != registry.get(base_version).sha256:
+                raise ValueError(f"the weights in {base_path} do not match version {base_version}'s recorded hash")
+            self._held[base_version] = (sha, Path(base_path))
             self._order.append(base_version)
-            self._states[base_version] = base_state
             self._live = base_version
 
     def close(self) -> None:
@@ -191,9 +195,12 @@ class VllmAdapter:
             return self._live, self._held[self._live][0]
 
     def state(self) -> State:
+        """LoRA mode: the live adapter's state (full mode keeps its weights in files only)."""
         with self._lock:
             if self._live is None:
                 raise LookupError("no version is live")
+            if self.mode == "full":
+                raise LookupError("full mode holds the live version as files, not as a state")
             return self._states[self._live]
 
     def versions(self) -> list[int]:
@@ -341,10 +348,7 @@ class VllmAdapter:
                 return UpdateOutcome(True, True, version, self.detail)
             started = time.perf_counter()
             try:
-                info = self.registry.get(version)
-                base = (current, self.state()) if current is not None else None
-                state = self.registry.load(version, base=base)
-                self.swap(version, state, info.sha256, live=live)
+                self.load_from(self.registry, version, live=live)
             except Exception as exc:  # keep serving what we have; report why
                 reason = f"version {version}: {type(exc).__name__}: {exc}"
                 log.error("vLLM update failed, still serving version %s: %s", self.current()[0], reason)
@@ -356,6 +360,40 @@ class VllmAdapter:
                 return UpdateOutcome(True, False, current, self.detail)
             self._set("serving", f"updated {current} -> {version} in {took:.2f}s")
             return UpdateOutcome(True, True, version, self.detail)
+
+    def load_from(self, registry: Any, version: int, *, live: bool = True) -> None:
+        """Load registry ``version`` into vLLM, every step's hash checked: LoRA, rebuilt in memory
+        (``registry.load``, deltas on the live adapter) and :meth:`swap`-ped in; full weights,
+        rebuilt file to file from the live version's files (:func:`~flywheel.weights.files.rebuild_file`:
+        the node never holds the model) and reloaded. Raises as :meth:`swap` does."""
+        with self._load_lock:
+            current = self.current()[0]
+            if self.mode == "lora":
+                info = registry.get(version)
+                state = registry.load(version, base=(current, self.state()) if current is not None else None)
+                self.swap(version, state, info.sha256, live=live)
+                return
+            if not live:
+                raise ValueError("full mode holds one version: it cannot preload without going live")
+            if version == current:
+                return
+            sha = registry.get(version).sha256
+            folder = self.work_dir / "full" / f"{self.line}-v{version}"
+            if not _holds(folder, sha):
+                shutil.rmtree(folder, ignore_errors=True)
+                folder.parent.mkdir(parents=True, exist_ok=True)
+                tmp = folder.parent / f".tmp-{folder.name}-{os.getpid()}-{threading.get_ident()}"
+                shutil.rmtree(tmp, ignore_errors=True)
+                tmp.mkdir()
+                try:
+                    base = (current, weight_files(self._held[current][1])) if current is not None else None
+                    rebuild_file(registry, version, tmp / FULL_WEIGHTS, base=base)
+                    self._check_complete(version, files_layout([tmp / FULL_WEIGHTS]))
+                    os.rename(tmp, folder)
+                except BaseException:
+                    shutil.rmtree(tmp, ignore_errors=True)
+                    raise
+            self._go_live(version, sha, folder)
 
     def loaded_models(self) -> list[str]:
         """The model ids vLLM lists in ``GET /v1/models`` (base model and loaded LoRA adapters)."""
@@ -416,8 +454,12 @@ class VllmAdapter:
     def _swap_full(self, version: int, state: State, sha256: str) -> None:
         if version == self._live:
             return
-        self._check_complete(version, state)
-        folder = materialise(self.work_dir / "full" / f"{self.line}-v{version}", state, sha256)
+        self._check_complete(version, {n: (t.dtype, tuple(t.shape)) for n, t in state.items()})
+        self._go_live(version, sha256, materialise(self.work_dir / "full" / f"{self.line}-v{version}", state, sha256))
+
+    def _go_live(self, version: int, sha256: str, folder: Path) -> None:
+        """Reload vLLM from ``folder`` (version ``version``'s weights, verified) and make it live;
+        on failure restore the previous version's files and raise."""
         with self.gate.exclusive() if self.gate is not None else contextlib.nullcontext():
             previous = self._live
             previous_folder = self._held[previous][1] if previous is not None else None
@@ -430,21 +472,23 @@ class VllmAdapter:
             with self._lock:
                 self._held = {version: (sha256, folder)}
                 self._order = [version]
-                self._states = {version: state}
                 self._live = version
         for stale in (self.work_dir / "full").iterdir():
             if stale != folder:
                 shutil.rmtree(stale, ignore_errors=True)
 
-    def _check_complete(self, version: int, state: State) -> None:
-        """Refuse a full state that lacks tensors of the model (or has others, or other shapes): vLLM
-        would reload it with a warning and keep the old tensors, serving a mix under the new label."""
+    def _check_complete(self, version: int, layout: dict[str, tuple[Any, tuple[int, ...]]]) -> None:
+        """Refuse a full state (``layout``: name -> (dtype, shape)) that lacks tensors of the model
+        (or has others, or other shapes): vLLM would reload it with a warning and keep the old
+        tensors, serving a mix under the new label."""
+        shapes = {n: tuple(shape) for n, (_, shape) in layout.items()}
         if self._shapes is None:
-            self._shapes = {n: tuple(t.shape) for n, t in state.items()}  # no base given: the first one
+            self._shapes = dict(layout)  # no base given: the first one
             return
-        missing = sorted(set(self._shapes) - set(state))
-        extra = sorted(set(state) - set(self._shapes))
-        reshaped = sorted(n for n in set(state) & set(self._shapes) if tuple(state[n].shape) != self._shapes[n])
+        known = {n: tuple(shape) for n, (_, shape) in self._shapes.items()}
+        missing = sorted(set(known) - set(shapes))
+        extra = sorted(set(shapes) - set(known))
+        reshaped = sorted(n for n in set(shapes) & set(known) if shapes[n] != known[n])
         if missing or extra or reshaped:
             def some(names: list[str]) -> str:
                 return ", ".join(names[:5]) + (f" (+{len(names) - 5} more)" if len(names) > 5 else "")
@@ -550,6 +594,15 @@ class VllmAdapter:
             return response.json()
         except ValueError:
             return None  # e.g. the LoRA endpoints answer plain text on success
+
+
+def _holds(folder: Path, sha256: str) -> bool:
+    """Whether ``folder`` (left by an earlier attempt or process) holds weights hashing to ``sha256``."""
+    try:
+        return folder.is_dir() and files_digest(weight_files(folder))[0] == sha256
+    except Exception as exc:  # unreadable leftovers: rebuilt
+        log.warning("rebuilding %s: %s", folder, exc)
+        return False
 
 
 def _error_message(response: httpx.Response) -> str:

@@ -55,6 +55,14 @@ def materialise(folder: Path, state: State, sha256: str, *, adapter_config: dict
     return folder
 
 
+def weight_files(folder: Path) -> list[Path]:
+    """The ``*.safetensors`` files of a model folder (a version's, or the one vLLM started from)."""
+    files = sorted(Path(folder).glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no *.safetensors weights in {folder}")
+    return files
+
+
 def adapter_config(state: State, lora_config: dict[str, Any]) -> dict[str, Any]:
     """The ``adapter_config.json`` vLLM reads with ``state``: PEFT's LoRA keys, ``lora_config`` and the rank."""
     config = {"peft_type": "LORA", "bias": "none", "task_type": "CAUSAL_LM", **lora_config}

@@ -77,7 +77,7 @@ def front(tmp_path: Path, versions: int = 3, *, wait_s: float = 30.0, drain_time
                                        "vllm_api_key": api_key})
         gate = VersionGate(drain_timeout_s=drain_timeout_s)
         adapter = VllmAdapter(standin.url, registry, tmp_path / "work", mode="full", served_model_name=LINE,
-                              base_version=0, base_state=states[0], base_path=model, gate=gate, api_key=api_key)
+                              base_version=0, base_path=model, gate=gate, api_key=api_key)
         adapter.prepare()  # as flywheel node does once vLLM answers
         standin.calls.clear()  # the tests read the calls requests and reloads make
         updater = Updater(adapter, registry, settings)

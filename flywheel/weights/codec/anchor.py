@@ -197,7 +197,11 @@ def _decode_plane(blob: memoryview, coded: bool, size: int, what: str) -> np.nda
     return np.frombuffer(out, dtype=np.uint8)
 
 
-def _decode_tensor(job: tuple[dict[str, Any], torch.dtype, tuple[int, ...], int, memoryview]) -> torch.Tensor:
+#: One tensor's decoding: its header entry, dtype, shape, element count and stored streams.
+_Job = tuple[dict[str, Any], torch.dtype, tuple[int, ...], int, memoryview]
+
+
+def _decode_tensor(job: _Job) -> torch.Tensor:
     entry, dtype, shape, numel, body = job
     name, width = entry["name"], torch.empty((), dtype=dtype).element_size()
     coding, planes, at = entry["coding"], [], 0
@@ -218,9 +222,9 @@ def _decode_tensor(job: tuple[dict[str, Any], torch.dtype, tuple[int, ...], int,
     return torch.from_numpy(le).view(dtype).reshape(shape)  # complex128: native bytes both ways
 
 
-def decode_anchor(data: bytes | memoryview) -> tuple[State, str]:
-    """Inverse of :func:`encode_anchor`: the state (name order) and its :func:`.state.state_sha256`,
-    checked against every tensor's digest; corrupt or truncated input raises :class:`DeltaError`."""
+def _anchor_jobs(data: bytes | memoryview) -> tuple[list[_Job], str]:
+    """Every tensor's decoding job (entry, dtype, shape, elements, streams) and the state hash,
+    the header checked against the tensors' digests and the blobs' lengths."""
     header, offset = read_anchor_header(data)
     view = memoryview(data)
     jobs, seen, digests = [], set(), []
@@ -241,8 +245,32 @@ def decode_anchor(data: bytes | memoryview) -> tuple[State, str]:
     sha = combine_digests(digests)
     if sha != header["sha256"]:
         raise DeltaError("anchor header's state hash does not match its tensors")
+    return jobs, sha
+
+
+def decode_anchor(data: bytes | memoryview) -> tuple[State, str]:
+    """Inverse of :func:`encode_anchor`: the state (name order) and its :func:`.state.state_sha256`,
+    checked against every tensor's digest; corrupt or truncated input raises :class:`DeltaError`."""
+    jobs, sha = _anchor_jobs(data)
     tensors = map_tensors(_decode_tensor, jobs, [job[3] for job in jobs])
     return dict(sorted(zip((job[0]["name"] for job in jobs), tensors, strict=True))), sha
+
+
+def anchor_layout(data: bytes | memoryview) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+    """The anchor's tensors as ``(name, dtype, shape)`` in name order, what a file of them lays out."""
+    return sorted((job[0]["name"], job[1], job[2]) for job in _anchor_jobs(data)[0])
+
+
+def decode_anchor_into(data: bytes | memoryview, writer: Any) -> str:
+    """:func:`decode_anchor` tensor by tensor into ``writer`` (a :class:`.tensorfile.TensorWriter`
+    laid out with them), never holding the state; returns the state hash. Each tensor is checked
+    against its digest before it is written; on :class:`DeltaError` the caller discards the file."""
+    jobs, sha = _anchor_jobs(data)
+    for entry, dtype, shape, *_ in jobs:
+        if writer.layout.get(entry["name"]) != (dtype, shape):
+            raise DeltaError(f"tensor {entry['name']!r} is not laid out as {dtype_name(dtype)} {list(shape)} in the output")
+    map_tensors(lambda job: writer.write(job[0]["name"], _decode_tensor(job)), jobs, [job[3] for job in jobs])
+    return sha
 
 
 def read_full(data: bytes | memoryview) -> tuple[State, str]:

@@ -156,6 +156,41 @@ class TensorReader:
             return t.clone()
 
 
+class TensorFiles:
+    """The tensors of several safetensors files (a model folder's shards) as one: ``index`` over
+    all of them, :meth:`view` from whichever holds the name. A name in two files is refused."""
+
+    def __init__(self, paths: list[str | os.PathLike[str]]) -> None:
+        self.readers: list[TensorReader] = []
+        self.index: dict[str, TensorInfo] = {}
+        self._owner: dict[str, TensorReader] = {}
+        try:
+            for path in paths:
+                reader = TensorReader(path)
+                self.readers.append(reader)
+                for name, info in reader.index.items():
+                    if name in self.index:
+                        raise DeltaError(f"tensor {name!r} is in both {self._owner[name].path} and {reader.path}")
+                    self.index[name], self._owner[name] = info, reader
+        except BaseException:
+            self.close()
+            raise
+
+    def __enter__(self) -> TensorFiles:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for reader in self.readers:
+            reader.close()
+
+    def view(self, name: str) -> contextlib.AbstractContextManager[torch.Tensor]:
+        """As :meth:`TensorReader.view`."""
+        return self._owner[name].view(name)
+
+
 class TensorWriter:
     """A safetensors file laid out from ``(name, dtype, shape)`` in that order; :meth:`write` each
     tensor once, in any order and from any thread; :meth:`close` checks every one was written."""
@@ -164,6 +199,8 @@ class TensorWriter:
                  metadata: dict[str, str] | None = None) -> None:
         header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
         self._at: dict[str, tuple[int, int]] = {}
+        #: name -> (dtype, shape), as laid out.
+        self.layout: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {n: (d, tuple(s)) for n, d, s in layout}
         offset = 0
         for name, dtype, shape in layout:
             if dtype not in _NAMES:

@@ -1,0 +1,185 @@
+"""Registry versions rebuilt into safetensors files tensor by tensor, for nodes that serve from files.
+
+:func:`rebuild_file` is :meth:`.registry.Registry.load` written to a file: the version's chain is
+walked from ``base`` (files the caller holds, a version on the chain) or from the nearest full
+version, and each step is decoded from the previous step's file into a new one, one tensor at a
+time on the codec's thread pool (:func:`.codec.streaming.apply_into`,
+:func:`.codec.anchor.decode_anchor_into`). No whole state is held: peak memory is the interpreter,
+a few of the largest tensors per thread, and the one object being applied (a delta, an anchor or
+a sharded version's shards). A sharded version's shards are fetched in parallel and written into
+one file. A vLLM node (full weights) loads versions this way and never holds the model.
+
+Invariants:
+- ``out_path`` is replaced (atomically, after an fsync) only by a file whose tensors hash to the
+  version's recorded sha256: every step's base and target hashes are checked as it is decoded,
+  every anchor tensor against its digest. On any failure :class:`.registry.WeightsError` is
+  raised, ``out_path`` is left as it was, and the step files are removed.
+- The output lays tensors out as the version's object does (name order); a file rebuilt from a
+  delta is byte for byte the file :func:`.codec.streaming.apply_files` writes.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from flywheel.weights.codec.anchor import anchor_layout, decode_anchor_into, is_anchor, read_full
+from flywheel.weights.codec.container import read_delta_header
+from flywheel.weights.codec.state import DeltaError
+from flywheel.weights.codec.streaming import apply_into, delta_layout, files_sha256
+from flywheel.weights.codec.tensorfile import TensorFiles, TensorWriter
+from flywheel.weights.registry import Registry, VersionInfo, WeightsError
+from flywheel.weights.shards import FETCH_THREADS, Manifest, fetch_shard, is_manifest, read_manifest
+
+Paths = Sequence[str | os.PathLike[str]]
+Layout = list[tuple[str, torch.dtype, tuple[int, ...]]]
+
+
+def files_digest(paths: Paths) -> tuple[str, dict[str, tuple[torch.dtype, tuple[int, ...]]]]:
+    """The state hash of the tensors in the safetensors files ``paths`` (a model folder's shards),
+    read tensor by tensor, and each tensor's dtype and shape."""
+    with TensorFiles(list(paths)) as files:
+        return files_sha256(files), {n: (i.dtype, i.shape) for n, i in files.index.items()}
+
+
+def files_layout(paths: Paths) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    """Each tensor's dtype and shape in the safetensors files ``paths`` (their headers only)."""
+    with TensorFiles(list(paths)) as files:
+        return {n: (i.dtype, i.shape) for n, i in files.index.items()}
+
+
+def rebuild_file(registry: Registry, version: int, out_path: str | os.PathLike[str], *,
+                 base: tuple[int, Paths] | None = None) -> str:
+    """Write ``version``'s weights to the safetensors file ``out_path``, rebuilt from ``base``
+    (``(base_version, its safetensors files)``) when that version is on the chain, else from the
+    nearest full version; returns the version's sha256, verified (module docstring)."""
+    start, chain = registry.chain(version, base[0] if base is not None else None)
+    out = Path(out_path)
+    token = secrets.token_hex(4)
+    made: list[Path] = []
+
+    def step_file() -> tuple[Path, int]:
+        path = out.parent / f".rebuild-{out.name}-{token}-{len(made)}"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+        made.append(path)
+        return path, fd
+
+    try:
+        if base is not None and start.version == base[0]:
+            source: list[Any] = list(base[1])
+            if not chain:  # the base itself: copied, its hash checked on the way
+                path, fd = step_file()
+                with os.fdopen(fd, "r+b", closefd=True) as fh:
+                    _copy_into(source, fh.fileno(), start)
+                source = [path]
+        else:
+            path, fd = step_file()
+            with os.fdopen(fd, "r+b", closefd=True) as fh:
+                _full_into(registry, start, fh.fileno())
+            source = [path]
+        parent = start
+        for info in chain:
+            path, fd = step_file()
+            with os.fdopen(fd, "r+b", closefd=True) as fh:
+                _delta_into(registry, info, parent, source, fh.fileno())
+            if source and Path(source[0]) in made:
+                Path(source[0]).unlink()
+            source, parent = [path], info
+        final = Path(source[0])
+        with open(final, "rb+") as fh:
+            os.fsync(fh.fileno())
+        os.replace(final, out)
+        made.remove(final)
+        return parent.sha256
+    finally:
+        for leftover in made:
+            leftover.unlink(missing_ok=True)
+
+
+def _copy_into(paths: Paths, fd: int, info: VersionInfo) -> None:
+    with TensorFiles(list(paths)) as files:
+        names = sorted(files.index)
+        writer = TensorWriter(fd, [(n, files.index[n].dtype, files.index[n].shape) for n in names])
+        for name in names:
+            with files.view(name) as t:
+                writer.write(name, t)
+        writer.close()
+        if files_sha256(files) != info.sha256:
+            raise WeightsError(f"base files do not match version {info.version}'s recorded hash")
+
+
+def _fetch_manifest(registry: Registry, info: VersionInfo, data: bytes) -> tuple[Manifest, Layout, list[bytes]]:
+    """A sharded version's manifest (checked against the row), its layout, and every shard's
+    object fetched in parallel and checked against the manifest."""
+    manifest = read_manifest(data)
+    if manifest.sha256 != info.sha256:
+        raise DeltaError(f"manifest's state hash {manifest.sha256[:12]} is not the recorded {info.sha256[:12]}")
+    layout = sorted((n, _dtype(d), tuple(s)) for shard in manifest.shards for n, d, s, _, _ in shard.tensors)
+    with ThreadPoolExecutor(min(FETCH_THREADS, max(1, len(manifest.shards))), "flywheel-shards") as pool:
+        blobs = list(pool.map(lambda s: fetch_shard(registry.store, s), manifest.shards))
+    return manifest, layout, blobs
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise DeltaError(f"unknown dtype {name!r} in shard manifest")
+    return dtype
+
+
+def _full_into(registry: Registry, info: VersionInfo, fd: int) -> None:
+    """A full version (anchor, sharded anchors, or plain safetensors) into the file at ``fd``."""
+    data = registry.fetch(info)
+    try:
+        if is_manifest(info.store_key):
+            manifest, layout, blobs = _fetch_manifest(registry, info, data)
+            writer = TensorWriter(fd, layout)
+            for meta, blob in zip(manifest.shards, blobs, strict=True):
+                if not is_anchor(blob) or decode_anchor_into(blob, writer) != meta.sha256:
+                    raise DeltaError(f"shard {meta.rank} ({meta.key}) does not rebuild to its manifest hash")
+            got = manifest.sha256
+        elif is_anchor(data):
+            writer = TensorWriter(fd, anchor_layout(data))
+            got = decode_anchor_into(data, writer)
+        else:  # stored before anchors: plain safetensors, small enough to have been held whole
+            state, got = read_full(data)
+            writer = TensorWriter(fd, [(n, t.dtype, tuple(t.shape)) for n, t in state.items()])
+            for name, t in state.items():
+                writer.write(name, t)
+        writer.close()
+    except DeltaError as exc:
+        raise WeightsError(f"version {info.version} ({info.store_key}): {exc}") from exc
+    if got != info.sha256:
+        raise WeightsError(f"version {info.version} ({info.store_key}): does not match its recorded hash")
+
+
+def _delta_into(registry: Registry, info: VersionInfo, parent: VersionInfo, source: Paths, fd: int) -> None:
+    """A delta version (or a sharded one) applied on ``parent``'s files ``source`` into the file at ``fd``."""
+    data = registry.fetch(info)
+    try:
+        with TensorFiles(list(source)) as old:
+            if is_manifest(info.store_key):
+                manifest, layout, blobs = _fetch_manifest(registry, info, data)
+                if manifest.kind != "delta" or manifest.base_sha256 != parent.sha256:
+                    raise DeltaError("a sharded delta needs its parent's state as the base")
+                writer = TensorWriter(fd, layout)
+                for meta, blob in zip(manifest.shards, blobs, strict=True):
+                    names = [n for n, *_ in meta.tensors if n in old.index]
+                    if read_delta_header(blob)[0].base_sha256 != meta.base_sha256 or \
+                            apply_into(old, blob, writer, base_names=names) != meta.sha256:
+                        raise DeltaError(f"shard {meta.rank} ({meta.key}) does not rebuild to its manifest hash")
+            else:
+                header = read_delta_header(data)[0]
+                if header.target_sha256 != info.sha256 or header.base_sha256 != parent.sha256:
+                    raise DeltaError("delta's hashes differ from the registry's")
+                writer = TensorWriter(fd, delta_layout(data))
+                apply_into(old, data, writer)
+            writer.close()
+    except DeltaError as exc:
+        raise WeightsError(f"version {info.version} ({info.store_key}): {exc}") from exc
