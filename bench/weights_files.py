@@ -18,8 +18,10 @@ changes). Then, each as its own process under ``/usr/bin/time``, in the same run
 - ``node apply``: a vLLM node in full mode going from the base to the target through the registry
   (SQLite and a folder store in the temp folder: the base published as v0, the target as the delta
   v1), :func:`flywheel.weights.files.rebuild_file` from the base file it serves to the new file vLLM
-  reloads; ``node apply, whole`` (unless ``--no-baseline``): what the node did before, the base
-  decoded whole, ``Registry.load`` on it and the new state written as one safetensors file.
+  reloads; ``node from anchor``: the same update by a node that holds no version on the chain,
+  from v0's compressed anchor read by ranges and then the delta; ``node apply, whole`` (unless
+  ``--no-baseline``): what the node did before, the base decoded whole, ``Registry.load`` on it
+  and the new state written as one safetensors file.
 
 Per row: wall time (best of ``--repeats``), peak RSS (max over repeats) and its share of the two
 input files' size, GB/s of model bytes (one file's size over the wall time; "after start": over
@@ -77,6 +79,9 @@ registry = Registry(make_session_factory(make_engine(url)), FolderStore(store), 
 if sys.argv[1] == "stream":
     from flywheel.weights.files import rebuild_file
     rebuild_file(registry, 1, out, base=(0, [old]))
+elif sys.argv[1] == "anchor":
+    from flywheel.weights.files import rebuild_file
+    rebuild_file(registry, 1, out)
 else:
     from flywheel.weights.codec.state import decode_full, encode_full
     from serving.node.vllm_files import write_synced
@@ -223,6 +228,8 @@ def main(argv: list[str] | None = None) -> None:
         url = publish_pair(d, old, new)
         node_out = str(d / "node.safetensors")
         cases.append(("node apply", [PYTHON, "-c", _NODE, "stream", url, str(d / "store"), old, node_out]))
+        cases.append(("node from anchor", [PYTHON, "-c", _NODE, "anchor", url, str(d / "store"), old,
+                                           str(d / "node-anchor.safetensors")]))
         if not args.no_baseline:
             cases += [("in-memory diff", [PYTHON, "-c", _IN_MEMORY, "diff", old, new, delta + ".mem"]),
                       ("in-memory apply", [PYTHON, "-c", _IN_MEMORY, "apply", old, delta]),
@@ -239,6 +246,8 @@ def main(argv: list[str] | None = None) -> None:
         with open(out, "rb") as a, open(new, "rb") as b, open(node_out, "rb") as c:
             target = hashlib.sha256(b.read()).digest()
             exact = hashlib.sha256(a.read()).digest() == target == hashlib.sha256(c.read()).digest()
+        with open(d / "node-anchor.safetensors", "rb") as e:
+            exact = exact and hashlib.sha256(e.read()).digest() == target
         if not args.no_baseline:
             exact = exact and Path(delta).read_bytes() == Path(delta + ".mem").read_bytes()
         delta_bytes = os.path.getsize(delta)

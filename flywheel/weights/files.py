@@ -4,10 +4,12 @@
 walked from ``base`` (files the caller holds, a version on the chain) or from the nearest full
 version, and each step is decoded from the previous step's file into a new one, one tensor at a
 time on the codec's thread pool (:func:`.codec.streaming.apply_into`,
-:func:`.codec.anchor.decode_anchor_into`). No whole state is held: peak memory is the interpreter,
-a few of the largest tensors per thread, and the one object being applied (a delta, an anchor or
-a sharded version's shards). A sharded version's shards are fetched in parallel and written into
-one file. A vLLM node (full weights) loads versions this way and never holds the model.
+:class:`.codec.anchor.AnchorReader`). No whole state is held, and no anchor either: an anchor
+(or a sharded anchor's shards) is read from the store by ranges, each tensor's streams as the
+thread pool comes to them (:meth:`.store.Store.get_range`). Peak memory is the interpreter, a few of
+the largest tensors per thread, and the delta being applied (a delta version's shards are fetched
+in parallel, whole: a delta is about 1% of the model). A vLLM node (full weights) loads versions
+this way and never holds the model.
 
 Invariants:
 - ``out_path`` is replaced (atomically, after an fsync) only by a file whose tensors hash to the
@@ -29,13 +31,14 @@ from typing import Any
 
 import torch
 
-from flywheel.weights.codec.anchor import anchor_layout, decode_anchor_into, is_anchor, read_full
+from flywheel.weights.codec.anchor import MAGIC, AnchorReader, is_anchor, read_full
 from flywheel.weights.codec.container import read_delta_header
 from flywheel.weights.codec.state import DeltaError
 from flywheel.weights.codec.streaming import apply_into, delta_layout, files_sha256
 from flywheel.weights.codec.tensorfile import TensorFiles, TensorWriter
 from flywheel.weights.registry import Registry, VersionInfo, WeightsError
 from flywheel.weights.shards import FETCH_THREADS, Manifest, fetch_shard, is_manifest, read_manifest
+from flywheel.weights.store import Store, StoreError
 
 Paths = Sequence[str | os.PathLike[str]]
 Layout = list[tuple[str, torch.dtype, tuple[int, ...]]]
@@ -114,16 +117,12 @@ def _copy_into(paths: Paths, fd: int, info: VersionInfo) -> None:
             raise WeightsError(f"base files do not match version {info.version}'s recorded hash")
 
 
-def _fetch_manifest(registry: Registry, info: VersionInfo, data: bytes) -> tuple[Manifest, Layout, list[bytes]]:
-    """A sharded version's manifest (checked against the row), its layout, and every shard's
-    object fetched in parallel and checked against the manifest."""
+def _manifest(info: VersionInfo, data: bytes) -> tuple[Manifest, Layout]:
+    """A sharded version's manifest, checked against the row, and the layout of its tensors."""
     manifest = read_manifest(data)
     if manifest.sha256 != info.sha256:
         raise DeltaError(f"manifest's state hash {manifest.sha256[:12]} is not the recorded {info.sha256[:12]}")
-    layout = sorted((n, _dtype(d), tuple(s)) for shard in manifest.shards for n, d, s, _, _ in shard.tensors)
-    with ThreadPoolExecutor(min(FETCH_THREADS, max(1, len(manifest.shards))), "flywheel-shards") as pool:
-        blobs = list(pool.map(lambda s: fetch_shard(registry.store, s), manifest.shards))
-    return manifest, layout, blobs
+    return manifest, sorted((n, _dtype(d), tuple(s)) for shard in manifest.shards for n, d, s, _, _ in shard.tensors)
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -133,27 +132,37 @@ def _dtype(name: str) -> torch.dtype:
     return dtype
 
 
+def _anchor(store: Store, key: str, size: int | None = None) -> AnchorReader:
+    """The anchor at ``key`` (``size`` bytes, when the caller knows how many), read by ranges."""
+    found = store.size(key)
+    if size is not None and found != size:
+        raise DeltaError(f"object {key!r} is {found} bytes, {size} expected")
+    return AnchorReader(lambda at, length: store.get_range(key, at, length), found)
+
+
 def _full_into(registry: Registry, info: VersionInfo, fd: int) -> None:
-    """A full version (anchor, sharded anchors, or plain safetensors) into the file at ``fd``."""
-    data = registry.fetch(info)
+    """A full version (anchor, sharded anchors, or plain safetensors) into the file at ``fd``;
+    anchors are read by ranges, tensor by tensor."""
+    store = registry.store
     try:
         if is_manifest(info.store_key):
-            manifest, layout, blobs = _fetch_manifest(registry, info, data)
+            manifest, layout = _manifest(info, registry.fetch(info))
             writer = TensorWriter(fd, layout)
-            for meta, blob in zip(manifest.shards, blobs, strict=True):
-                if not is_anchor(blob) or decode_anchor_into(blob, writer) != meta.sha256:
+            for meta in manifest.shards:  # each checked tensor by tensor against the manifest's hashes
+                if meta.kind != "full" or _anchor(store, meta.key, meta.bytes).decode_into(writer) != meta.sha256:
                     raise DeltaError(f"shard {meta.rank} ({meta.key}) does not rebuild to its manifest hash")
             got = manifest.sha256
-        elif is_anchor(data):
-            writer = TensorWriter(fd, anchor_layout(data))
-            got = decode_anchor_into(data, writer)
+        elif is_anchor(registry.fetch(info, (0, len(MAGIC)))):
+            anchor = _anchor(store, info.store_key)
+            writer = TensorWriter(fd, anchor.layout)
+            got = anchor.decode_into(writer)
         else:  # stored before anchors: plain safetensors, small enough to have been held whole
-            state, got = read_full(data)
+            state, got = read_full(registry.fetch(info))
             writer = TensorWriter(fd, [(n, t.dtype, tuple(t.shape)) for n, t in state.items()])
             for name, t in state.items():
                 writer.write(name, t)
         writer.close()
-    except DeltaError as exc:
+    except (DeltaError, StoreError) as exc:
         raise WeightsError(f"version {info.version} ({info.store_key}): {exc}") from exc
     if got != info.sha256:
         raise WeightsError(f"version {info.version} ({info.store_key}): does not match its recorded hash")
@@ -165,7 +174,9 @@ def _delta_into(registry: Registry, info: VersionInfo, parent: VersionInfo, sour
     try:
         with TensorFiles(list(source)) as old:
             if is_manifest(info.store_key):
-                manifest, layout, blobs = _fetch_manifest(registry, info, data)
+                manifest, layout = _manifest(info, data)
+                with ThreadPoolExecutor(min(FETCH_THREADS, max(1, len(manifest.shards))), "flywheel-shards") as pool:
+                    blobs = list(pool.map(lambda meta: fetch_shard(registry.store, meta), manifest.shards))
                 if manifest.kind != "delta" or manifest.base_sha256 != parent.sha256:
                     raise DeltaError("a sharded delta needs its parent's state as the base")
                 writer = TensorWriter(fd, layout)

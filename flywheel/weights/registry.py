@@ -606,12 +606,13 @@ class Registry:
         except DeltaError as exc:
             raise WeightsError(f"version {info.version} ({info.store_key}): {exc}") from exc
 
-    def fetch(self, info: VersionInfo) -> bytes:
-        """The object a version's row points at (unchecked: the caller checks what it rebuilds)."""
+    def fetch(self, info: VersionInfo, span: tuple[int, int] | None = None) -> bytes:
+        """The object a version's row points at, or its ``span`` (offset, length: a range read);
+        unchecked: the caller checks what it rebuilds."""
         if info.status == "collected":
             raise WeightsError(f"version {info.version} was garbage-collected; its weights are gone")
         try:
-            return self.store.get(info.store_key)
+            return self.store.get(info.store_key) if span is None else self.store.get_range(info.store_key, *span)
         except StoreError as exc:
             raise WeightsError(f"version {info.version}: object {info.store_key!r} unavailable: {exc}") from exc
 

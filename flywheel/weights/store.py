@@ -10,7 +10,8 @@ Invariants:
 - ``put`` is atomic: a reader sees either the old object, the new one, or none, never a partial
   one (folder: write a temp file in the same directory, fsync, ``os.replace``, fsync the directory;
   S3: a single PUT is atomic, and its ``Content-MD5`` makes the server refuse a body damaged on the
-  way). ``get`` checks the length it received against the object's.
+  way). ``get`` checks the length it received against the object's; ``get_range`` returns exactly
+  the bytes asked for, or raises (a range past the object's end included).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import hashlib
 import os
 import re
 import tempfile
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -31,6 +33,10 @@ _MAX_KEY = 1024
 _TMP_PREFIX = ".tmp-"
 # A regional cache's ledger of pulls (a dot name: never an object key, never listed).
 _LEDGER = ".pulled"
+# A regional cache pulls a big object from the origin in ranges of this many bytes.
+PULL_CHUNK = 64 << 20
+# Linux reads at most about this many bytes in one call.
+_IO_CHUNK = 1 << 30
 
 
 class StoreError(Exception):
@@ -53,6 +59,10 @@ class Store(Protocol):
     def put(self, key: str, data: bytes) -> None: ...
 
     def get(self, key: str) -> bytes: ...
+
+    def get_range(self, key: str, offset: int, length: int) -> bytes: ...
+
+    def size(self, key: str) -> int: ...
 
     def exists(self, key: str) -> bool: ...
 
@@ -94,13 +104,21 @@ class FolderStore:
         return Path(path)
 
     def put(self, key: str, data: bytes) -> None:
+        self.put_chunks(key, (data,))
+
+    def put_chunks(self, key: str, chunks: Iterable[bytes]) -> int:
+        """:meth:`put` of the concatenated ``chunks``, written as they come (an object bigger than
+        memory); returns its size."""
         path = self._path(key)
         path.parent.mkdir(parents=True, exist_ok=True)
         path = self._path(key)  # a directory created above may not be redirected by a symlink
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=_TMP_PREFIX)
+        size = 0
         try:
             with os.fdopen(fd, "wb") as fh:
-                fh.write(data)
+                for chunk in chunks:
+                    fh.write(chunk)
+                    size += len(chunk)
                 fh.flush()
                 os.fsync(fh.fileno())
             os.replace(tmp, path)
@@ -112,12 +130,38 @@ class FolderStore:
             os.fsync(dir_fd)
         finally:
             os.close(dir_fd)
+        return size
 
     def get(self, key: str) -> bytes:
         path = self._path(key)
         try:
             return path.read_bytes()
         except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            raise ObjectNotFound(f"no object {key!r} in {self}") from None
+
+    def get_range(self, key: str, offset: int, length: int) -> bytes:
+        """``length`` bytes of the object from ``offset``; a range past its end is a :class:`StoreError`."""
+        path = self._path(key)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            raise ObjectNotFound(f"no object {key!r} in {self}") from None
+        try:
+            out = bytearray()
+            while len(out) < length:
+                got = os.pread(fd, min(_IO_CHUNK, length - len(out)), offset + len(out))
+                if not got:
+                    raise StoreError(f"get {key!r} bytes {offset}+{length} in {self}: the object ends at "
+                                     f"{offset + len(out)}")
+                out += got
+            return bytes(out)
+        finally:
+            os.close(fd)
+
+    def size(self, key: str) -> int:
+        try:
+            return os.stat(self._path(key)).st_size
+        except (FileNotFoundError, NotADirectoryError):
             raise ObjectNotFound(f"no object {key!r} in {self}") from None
 
     def exists(self, key: str) -> bool:
@@ -215,6 +259,21 @@ class S3Store:
             raise StoreError(f"get {key!r} in {self}: {len(data)} of {response['ContentLength']} bytes received")
         return data
 
+    def get_range(self, key: str, offset: int, length: int) -> bytes:
+        """``length`` bytes of the object from ``offset`` (one ranged GET); a range past its end is a
+        :class:`StoreError`."""
+        if length == 0:
+            return b""
+        response = self._call("get", key, self._client.get_object, Key=self._key(key),
+                              Range=f"bytes={offset}-{offset + length - 1}")
+        data = response["Body"].read()
+        if len(data) != length:
+            raise StoreError(f"get {key!r} bytes {offset}+{length} in {self}: {len(data)} bytes received")
+        return data
+
+    def size(self, key: str) -> int:
+        return int(self._call("head", key, self._client.head_object, Key=self._key(key))["ContentLength"])
+
     def exists(self, key: str) -> bool:
         try:
             self._call("head", key, self._client.head_object, Key=self._key(key))
@@ -275,24 +334,49 @@ class RegionalCache:
             return self.cache.get(key)
         except ObjectNotFound:
             pass
+        pulled: list[bytes] = []
+
+        def pull() -> int:
+            pulled.append(self.origin.get(key))
+            self.cache.put(key, pulled[0])
+            return len(pulled[0])
+
+        self._pull(key, pull)
+        return pulled[0] if pulled else self.cache.get(key)
+
+    def get_range(self, key: str, offset: int, length: int) -> bytes:
+        """A range of the cached object; an object not cached yet is pulled whole first, in ranges
+        of :data:`PULL_CHUNK` (never held whole)."""
+        if not self.cache.exists(key):
+            def pull() -> int:
+                size = self.origin.size(key)
+                return self.cache.put_chunks(key, (self.origin.get_range(key, at, min(PULL_CHUNK, size - at))
+                                                   for at in range(0, size, PULL_CHUNK)))
+
+            self._pull(key, pull)
+        return self.cache.get_range(key, offset, length)
+
+    def size(self, key: str) -> int:
+        return self.cache.size(key) if self.cache.exists(key) else self.origin.size(key)
+
+    def _pull(self, key: str, pull: Callable[[], int]) -> None:
+        """Run ``pull`` (origin to cache; returns the bytes pulled) under the key's region-wide
+        lock, unless another node of the region cached the object meanwhile; then log it."""
         import fcntl
 
         locks = Path(os.path.realpath(self.cache.root)) / ".locks"
         locks.mkdir(parents=True, exist_ok=True)
         with open(locks / hashlib.sha256(validate_key(key).encode()).hexdigest(), "a+b") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
+            if self.cache.exists(key):  # another node of the region pulled it meanwhile
+                return
+            size = pull()
+            self.pulled_bytes += size
+            fd = os.open(locks.parent / _LEDGER, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
             try:
-                return self.cache.get(key)  # another node of the region pulled it meanwhile
-            except ObjectNotFound:
-                data = self.origin.get(key)
-                self.cache.put(key, data)
-                self.pulled_bytes += len(data)
-                fd = os.open(locks.parent / _LEDGER, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-                try:
-                    os.write(fd, f"{key}\t{len(data)}\n".encode())
-                finally:
-                    os.close(fd)
-                return data
+                os.write(fd, f"{key}\t{size}\n".encode())
+            finally:
+                os.close(fd)
 
     def pulled(self) -> dict[str, int]:
         """Bytes the region's cache pulled from the origin, per key, as its ledger records them (a

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from flywheel.settings import load_settings
-from flywheel.weights.store import FolderStore, ObjectNotFound, RegionalCache, make_store
+from flywheel.weights import store as store_module
+from flywheel.weights.store import FolderStore, ObjectNotFound, RegionalCache, StoreError, make_store
 
 
 class CountingOrigin(FolderStore):
@@ -21,6 +22,17 @@ class CountingOrigin(FolderStore):
         with self._count:
             self.gets += 1
         return super().get(key)
+
+
+class RangeCountingOrigin(CountingOrigin):
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.ranges: list[tuple[int, int]] = []
+
+    def get_range(self, key: str, offset: int, length: int) -> bytes:
+        with self._count:
+            self.ranges.append((offset, length))
+        return super().get_range(key, offset, length)
 
 
 def test_concurrent_readers_of_a_region_pull_each_object_once(tmp_path: Path) -> None:
@@ -56,6 +68,27 @@ def test_writes_go_to_the_origin_and_deletes_drop_both(tmp_path: Path) -> None:
     assert not cache.exists("line/v1.full")
     with pytest.raises(ObjectNotFound):
         cache.get("line/v1.full")
+
+
+def test_ranges_pull_an_object_into_the_region_in_chunks_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A node reading an anchor by ranges pulls it into the region's cache in chunks (never whole
+    in memory), once, and then reads the cache; a folder store's ranges are exact or an error."""
+    monkeypatch.setattr(store_module, "PULL_CHUNK", 4096)
+    origin = RangeCountingOrigin(tmp_path / "origin")
+    body = bytes(range(256)) * 100
+    origin.put("line/v2-ab.full", body)
+    region = [RegionalCache(origin, FolderStore(tmp_path / "eu")) for _ in range(2)]
+    assert region[0].size("line/v2-ab.full") == len(body)
+    assert region[0].get_range("line/v2-ab.full", 5000, 300) == body[5000:5300]
+    assert region[1].get_range("line/v2-ab.full", 0, len(body)) == body
+    assert origin.ranges == [(at, min(4096, len(body) - at)) for at in range(0, len(body), 4096)]  # one pull
+    assert region[0].pulled() == {"line/v2-ab.full": len(body)} and origin.gets == 0
+    cache = FolderStore(tmp_path / "eu")
+    assert cache.get("line/v2-ab.full") == body and cache.size("line/v2-ab.full") == len(body)
+    with pytest.raises(StoreError, match="ends at"):
+        cache.get_range("line/v2-ab.full", len(body) - 2, 4)
+    with pytest.raises(ObjectNotFound):
+        region[0].get_range("line/v3-cd.full", 0, 1)
 
 
 def test_settings_put_a_cache_in_front_of_the_store(tmp_path: Path) -> None:

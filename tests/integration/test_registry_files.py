@@ -21,8 +21,8 @@ from flywheel.db.session import make_engine, make_session_factory, upgrade
 from flywheel.weights.codec.state import encode_full, state_sha256
 from flywheel.weights.files import files_digest, rebuild_file
 from flywheel.weights.registry import Registry, WeightsError
-from flywheel.weights.shards import read_manifest
-from flywheel.weights.store import FolderStore
+from flywheel.weights.shards import object_keys, read_manifest
+from flywheel.weights.store import FolderStore, RegionalCache
 from tests.integration.test_shard_publish import make_state, shard_manifest, step
 
 pytestmark = pytest.mark.integration
@@ -71,6 +71,12 @@ def test_every_kind_of_version_rebuilds_into_a_file_with_its_hash(tmp_path: Path
     for version, state in enumerate(states[:6]):  # from the nearest anchor
         assert rebuild_file(registry, version, out) == state_sha256(state)
         assert same(out, state) and files_digest([out])[0] == state_sha256(state)
+    region = RegionalCache(store, FolderStore(tmp_path / "eu"))  # a node's read path: anchors pulled by ranges
+    via = Registry(registry.sessions, region, LINE, full_every=4)
+    assert rebuild_file(via, 5, out) == state_sha256(states[5]) and same(out, states[5])
+    assert rebuild_file(via, 1, out) == state_sha256(states[1])
+    assert set(region.pulled()) == set(object_keys(store, registry.get(0).store_key)) | {
+        registry.get(i).store_key for i in (4, 5)} | set(object_keys(store, registry.get(1).store_key))
     assert rebuild_file(old, 0, out) == state_sha256(states[0]) and same(out, states[0])
 
     base = file_of(tmp_path, "v1.safetensors", states[1])  # a node on v1 (written as vLLM's folder has it)
@@ -143,8 +149,9 @@ print(status("VmHWM") - before)
 
 def test_a_node_applying_a_delta_holds_a_few_tensors_not_the_model(tmp_path: Path) -> None:
     """A line of 20 tensors of 4 MB (80 MB a version): rebuilding v1 from the v0 file the node
-    holds grows the peak RSS by a few tensors; the whole-state path (``registry.load`` and a
-    written file, what a vLLM node did before) grows it by more than two models."""
+    holds, or from v0's anchor (53 MB, read by ranges), grows the peak RSS by a few tensors; the
+    whole-state path (``registry.load`` and a written file, what a vLLM node did before) grows it
+    by more than two models."""
     g = torch.Generator().manual_seed(0)
     v0 = {f"layer.{i}": (torch.randn(2048, 1024, generator=g) * 0.02).bfloat16() for i in range(20)}
     v1 = {n: (t.float() + torch.randn(t.shape, generator=g) * 2e-6).bfloat16() for n, t in v0.items()}  # ~2%
@@ -157,7 +164,7 @@ def test_a_node_applying_a_delta_holds_a_few_tensors_not_the_model(tmp_path: Pat
     small.publish(make_state(1), parent=None)
     assert small.publish(step(make_state(1), 1), parent=0, parent_state=make_state(1)).kind == "delta"
     base = file_of(tmp_path, "v0.safetensors", v0)
-    sha1, largest, model = state_sha256(v1), 2048 * 1024 * 2, base.stat().st_size
+    sha1, largest, model, anchor = state_sha256(v1), 2048 * 1024 * 2, base.stat().st_size, registry.get(0).bytes
     del v0, v1
     values = {"URL": f"sqlite:///{tiny / 'registry.db'}", "STORE": str(tiny / "store"), "LINE": LINE,
               "TINY_OUT": str(tmp_path / "tiny.safetensors"), "BIG_URL": f"sqlite:///{big / 'registry.db'}",
@@ -170,11 +177,16 @@ def test_a_node_applying_a_delta_holds_a_few_tensors_not_the_model(tmp_path: Pat
         return int(done.stdout.split()[-1])
 
     streamed = growth(f"rebuild_file(registry, 1, {str(tmp_path / 'v1.safetensors')!r}, base=(0, [{str(base)!r}]))")
+    anchored = growth(f"rebuild_file(registry, 1, {str(tmp_path / 'a1.safetensors')!r})")  # v0's anchor, by ranges
     whole = growth("from flywheel.weights.codec.state import decode_full, encode_full\n"
                    f"v0 = decode_full(open({str(base)!r}, 'rb').read())\n"
                    f"open({str(tmp_path / 'w1')!r}, 'wb').write(encode_full(registry.load(1, base=(0, v0))))")
     assert files_digest([tmp_path / "v1.safetensors"])[0] == sha1
+    assert files_digest([tmp_path / "a1.safetensors"])[0] == sha1
     assert streamed < 8 * largest, f"{streamed / 2**20:.1f} MiB over the interpreter"
+    # Decoding an anchor tensor holds its streams beside the planes and the tensor: a few more
+    # tensors than a delta, still under the object itself (which a whole fetch would add).
+    assert anchored < 10 * largest < anchor, f"from the anchor: {anchored / 2**20:.1f} MiB over the interpreter"
     assert whole > 2 * model, f"the whole-state path grew only {whole / 2**20:.1f} MiB"
 
 

@@ -69,6 +69,22 @@ def test_objects_round_trip_under_their_prefix(s3, s3_endpoint: str) -> None:
         "team-a/line/v00000002.delta", "team-b/line/v00000001.full"]
 
 
+def test_ranges_of_an_object_are_what_the_object_holds(s3, s3_endpoint: str) -> None:
+    """A node reads an anchor by ranged GETs: exactly the bytes asked for, or an error."""
+    store = S3Store(BUCKET, "team-a/", endpoint_url=s3_endpoint)
+    body = bytes(range(256)) * 40
+    store.put("line/v00000001.full", body)
+    assert store.size("line/v00000001.full") == len(body)
+    for offset, length in ((0, 8), (1000, 3000), (len(body) - 1, 1), (17, 0)):
+        assert store.get_range("line/v00000001.full", offset, length) == body[offset : offset + length]
+    with pytest.raises(StoreError, match="received"):
+        store.get_range("line/v00000001.full", len(body) - 4, 8)  # past the end: S3 answers what it has
+    with pytest.raises(ObjectNotFound):
+        store.get_range("line/v00000002.full", 0, 8)
+    with pytest.raises(ObjectNotFound):
+        store.size("line/v00000002.full")
+
+
 @pytest.mark.parametrize("key", ["../team-b/line/v1.full", "line/../../team-b/x", "/team-b/x", "line//x", ".hidden",
                                  "line/..", "line\\..\\x", "%2e%2e/x", "", "a" * 1025])
 def test_keys_cannot_leave_the_prefix(s3, s3_endpoint: str, key: str) -> None:

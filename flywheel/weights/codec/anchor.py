@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -222,30 +222,36 @@ def _decode_tensor(job: _Job) -> torch.Tensor:
     return torch.from_numpy(le).view(dtype).reshape(shape)  # complex128: native bytes both ways
 
 
-def _anchor_jobs(data: bytes | memoryview) -> tuple[list[_Job], str]:
-    """Every tensor's decoding job (entry, dtype, shape, elements, streams) and the state hash,
-    the header checked against the tensors' digests and the blobs' lengths."""
-    header, offset = read_anchor_header(data)
-    view = memoryview(data)
-    jobs, seen, digests = [], set(), []
+def _anchor_parts(header: dict[str, Any], offset: int, size: int) -> tuple[list[tuple[Any, ...]], str]:
+    """Per tensor (entry, dtype, shape, elements, start, length of its streams), and the state hash,
+    the header checked against the tensors' digests and an object of ``size`` bytes."""
+    parts, seen, digests = [], set(), []
     for entry in header["tensors"]:
         name, dtype, shape, numel, digest = _check_entry(entry)
         if name in seen:
             raise DeltaError(f"tensor {name!r} twice in anchor header")
         seen.add(name)
         length = sum(entry["lens"])
-        if offset + length > len(view):
+        if offset + length > size:
             raise DeltaError(f"truncated anchor: tensor {name!r} runs past the end")
-        jobs.append((entry, dtype, shape, numel, view[offset : offset + length]))
+        parts.append((entry, dtype, shape, numel, offset, length))
         width = torch.empty((), dtype=dtype).element_size()
         digests.append((name, dtype_name(dtype), shape, numel * width, digest))
         offset += length
-    if offset != len(view):
-        raise DeltaError(f"anchor has {len(view) - offset} trailing bytes")
+    if offset != size:
+        raise DeltaError(f"anchor has {size - offset} trailing bytes")
     sha = combine_digests(digests)
     if sha != header["sha256"]:
         raise DeltaError("anchor header's state hash does not match its tensors")
-    return jobs, sha
+    return parts, sha
+
+
+def _anchor_jobs(data: bytes | memoryview) -> tuple[list[_Job], str]:
+    """Every tensor's decoding job and the state hash (:func:`_anchor_parts`)."""
+    header, offset = read_anchor_header(data)
+    view = memoryview(data)
+    parts, sha = _anchor_parts(header, offset, len(view))
+    return [(entry, dtype, shape, numel, view[at : at + length]) for entry, dtype, shape, numel, at, length in parts], sha
 
 
 def decode_anchor(data: bytes | memoryview) -> tuple[State, str]:
@@ -256,21 +262,45 @@ def decode_anchor(data: bytes | memoryview) -> tuple[State, str]:
     return dict(sorted(zip((job[0]["name"] for job in jobs), tensors, strict=True))), sha
 
 
-def anchor_layout(data: bytes | memoryview) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
-    """The anchor's tensors as ``(name, dtype, shape)`` in name order, what a file of them lays out."""
-    return sorted((job[0]["name"], job[1], job[2]) for job in _anchor_jobs(data)[0])
+class AnchorReader:
+    """An anchor of ``size`` bytes read by ranges (``read(offset, length)``: an object store's ranged
+    GET, or a slice of the bytes in hand): the header at once (checked: ``layout``, ``sha256``), each
+    tensor's streams only as :meth:`decode_into` comes to it, so the object is never held whole."""
+
+    def __init__(self, read: Callable[[int, int], bytes | memoryview], size: int) -> None:
+        fixed = len(MAGIC) + framing.PREFIX.size
+        head = bytes(read(0, min(size, fixed)))
+        head_len = framing.PREFIX.unpack_from(head, len(MAGIC))[1] if len(head) == fixed else 0
+        if head_len > min(size - len(head), framing.HEADER_LIMIT):
+            raise DeltaError("truncated anchor: header runs past the end")
+        header, offset = read_anchor_header(head + bytes(read(len(head), head_len)))
+        self._read = read
+        self._parts, self.sha256 = _anchor_parts(header, offset, size)
+        #: The tensors as ``(name, dtype, shape)`` in name order: what a file of them lays out.
+        self.layout = sorted((part[0]["name"], part[1], part[2]) for part in self._parts)
+
+    def decode_into(self, writer: Any) -> str:
+        """Decode every tensor into ``writer`` (a :class:`.tensorfile.TensorWriter` laid out with
+        them) on the codec's threads, each checked against its digest before it is written (the
+        digests against the state hash already); returns the state hash. On :class:`DeltaError`
+        the caller discards the file."""
+        for entry, dtype, shape, *_ in self._parts:
+            if writer.layout.get(entry["name"]) != (dtype, shape):
+                raise DeltaError(f"tensor {entry['name']!r} is not laid out as {dtype_name(dtype)} {list(shape)} "
+                                 "in the output")
+
+        def one(part: tuple[Any, ...]) -> None:
+            entry, dtype, shape, numel, at, length = part
+            writer.write(entry["name"], _decode_tensor((entry, dtype, shape, numel, memoryview(self._read(at, length)))))
+
+        map_tensors(one, self._parts, [part[3] for part in self._parts])
+        return self.sha256
 
 
-def decode_anchor_into(data: bytes | memoryview, writer: Any) -> str:
-    """:func:`decode_anchor` tensor by tensor into ``writer`` (a :class:`.tensorfile.TensorWriter`
-    laid out with them), never holding the state; returns the state hash. Each tensor is checked
-    against its digest before it is written; on :class:`DeltaError` the caller discards the file."""
-    jobs, sha = _anchor_jobs(data)
-    for entry, dtype, shape, *_ in jobs:
-        if writer.layout.get(entry["name"]) != (dtype, shape):
-            raise DeltaError(f"tensor {entry['name']!r} is not laid out as {dtype_name(dtype)} {list(shape)} in the output")
-    map_tensors(lambda job: writer.write(job[0]["name"], _decode_tensor(job)), jobs, [job[3] for job in jobs])
-    return sha
+def anchor_reader(data: bytes | memoryview) -> AnchorReader:
+    """An :class:`AnchorReader` over an anchor held in memory."""
+    view = memoryview(data)
+    return AnchorReader(lambda at, length: view[at : at + length], len(view))
 
 
 def read_full(data: bytes | memoryview) -> tuple[State, str]:
