@@ -6,7 +6,8 @@ and every status change is audited in ``version_transitions``.
 
 Invariants:
 - A row exists only for an object that was uploaded, read back and reconstructed to the recorded
-  hash (publish is upload -> verify -> insert, in that order; a failed publish removes its object).
+  hash (publish is upload -> verify -> insert, in that order; a failed publish removes its object;
+  the check decodes tensor by tensor and keeps none, so it never holds a second state).
   The trajectories its ``metrics["trajectory_ids"]`` lists are recorded as trained into it
   (``trained_trajectories``) in the transaction that inserts the row.
 - Version numbers are never reused: the primary key ``(model_line, version)`` decides, and a
@@ -64,11 +65,13 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from flywheel.db.models import ModelVersion, Node, VersionTransition
 from flywheel.db.trained import record_trained, trained_ids
-from flywheel.weights.codec.anchor import encode_anchor, raw_bytes, read_full
+from flywheel.weights.codec.anchor import anchor_reader, encode_anchor, raw_bytes, read_full
 from flywheel.weights.codec.container import read_delta_header
 from flywheel.weights.codec.delta import apply_delta, encode_delta_with_summary
 from flywheel.weights.codec.state import DeltaError, state_sha256, tensor_digests
 from flywheel.weights.codec.stats import count_changed
+from flywheel.weights.codec.streaming import check_delta
+from flywheel.weights.codec.tensorfile import Discard
 from flywheel.weights.shards import SUFFIX, check_manifest, is_manifest, load_sharded, object_keys, read_manifest
 from flywheel.weights.shipping import ShippedBytes, shipped_bytes
 from flywheel.weights.store import RegionalCache, Store, StoreError, validate_key
@@ -532,15 +535,16 @@ class Registry:
     def _verify_object(
         self, key: str, kind: str, sha: str, parent_state: State | None, parent_sha: str | None
     ) -> None:
-        """Read the object back and rebuild the weights from it; raise unless the hash matches."""
+        """Read the object back and rebuild the weights from it, tensor by tensor (each hashed and
+        dropped: the check never holds a second state); raise unless the hash matches."""
         try:
             data = self.store.get(key)
-            if kind == "full":
-                got = read_full(data)[1]  # each tensor checked against its digest, the state hash built from them
+            if kind == "full":  # each tensor checked against its digest, the state hash built from them
+                anchor = anchor_reader(data)
+                got = anchor.decode_into(Discard(anchor.layout))
             else:
-                assert parent_state is not None
-                apply_delta(parent_state, data, old_sha256=parent_sha)  # checks the target hash
-                got = read_delta_header(data)[0].target_sha256
+                assert parent_state is not None and parent_sha is not None
+                got = check_delta(parent_state, data, old_sha256=parent_sha)  # checks the target hash
         except (StoreError, DeltaError) as exc:
             raise WeightsError(f"published object {key!r} failed verification: {exc}") from exc
         if got != sha:

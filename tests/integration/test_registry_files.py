@@ -3,7 +3,8 @@
 Every kind of object a chain holds (anchors, deltas, sharded anchors and deltas, plain safetensors
 from before anchors) rebuilds, from a base the node holds or from the nearest anchor, into a file
 with the version's hash; a damaged object, a foreign base or a lost shard leaves the output as it
-was and no step file behind; and a node applying a delta holds a few tensors, not the model.
+was and no step file behind; and a node applying a delta holds a few tensors, not the model, as
+does the registry's check of a delta it publishes.
 """
 
 from __future__ import annotations
@@ -199,3 +200,42 @@ def test_the_tensor_files_refuse_a_name_in_two_shards(tmp_path: Path) -> None:
     with pytest.raises(WeightsError, match="is in both"):
         rebuild_file(registry, 1, tmp_path / "out", base=(0, twice))
     assert not (tmp_path / "out").exists()
+
+
+def test_publishing_a_delta_checks_it_without_a_second_state(tmp_path: Path) -> None:
+    """``Registry.publish`` reads its object back and decodes it before the row exists: tensor by
+    tensor now (each hashed and dropped), where it rebuilt a whole second state before."""
+    g = torch.Generator().manual_seed(1)
+    v0 = {f"layer.{i}": (torch.randn(2048, 1024, generator=g) * 0.02).bfloat16() for i in range(20)}
+    v1 = {n: (t.float() + torch.randn(t.shape, generator=g) * 2e-6).bfloat16() for n, t in v0.items()}
+    big, tiny = tmp_path / "big", tmp_path / "tiny"
+    big.mkdir(), tiny.mkdir()
+    registry_at(big, full_every=50).publish(v0, parent=None)
+    registry_at(tiny).publish(make_state(1), parent=None)
+    a, b = file_of(tmp_path, "v0.safetensors", v0), file_of(tmp_path, "v1.safetensors", v1)
+    state_bytes, largest = a.stat().st_size, 2048 * 1024 * 2
+    del v0, v1
+    code = f"""
+from flywheel.db.session import make_engine, make_session_factory
+from flywheel.weights.codec.state import decode_full
+from flywheel.weights.registry import Registry
+from flywheel.weights.store import FolderStore
+def registry(folder):
+    return Registry(make_session_factory(make_engine(f"sqlite:///{{folder}}/registry.db")), FolderStore(folder + "/store"),
+                    {LINE!r}, full_every=50)
+small = registry({str(tiny)!r})
+small.publish(step(make_state(1), 1), parent=0, parent_state=make_state(1))  # kernels and pools warmed
+v0, v1 = (decode_full(open(p, "rb").read()) for p in ({str(a)!r}, {str(b)!r}))
+def status(key):
+    return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith(key + ":"))
+open("/proc/self/clear_refs", "w").write("5")
+before = status("VmRSS")
+info = registry({str(big)!r}).publish(v1, parent=0, parent_state=v0)
+print(info.kind, status("VmHWM") - before)
+"""
+    prelude = "from tests.integration.test_shard_publish import make_state, step\n"
+    done = subprocess.run([sys.executable, "-c", prelude + code], capture_output=True, text=True, check=True,
+                          env={**os.environ, "PYTHONPATH": os.getcwd()})
+    kind, grew = done.stdout.split()[-2:]
+    assert kind == "delta"
+    assert int(grew) < 10 * largest < state_bytes, f"publishing grew {int(grew) / 2**20:.1f} MiB"

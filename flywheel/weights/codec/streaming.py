@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -28,7 +28,7 @@ import torch
 from flywheel.weights.codec.bitview import dtype_name
 from flywheel.weights.codec.container import check_entry, pack_container, read_delta_header
 from flywheel.weights.codec.state import DeltaError, combine_digests, tensor_digest
-from flywheel.weights.codec.tensorfile import TensorReader, TensorWriter, scratch
+from flywheel.weights.codec.tensorfile import Discard, TensorInfo, TensorReader, TensorWriter, scratch
 from flywheel.weights.codec.workers import map_tensors
 
 Digest = tuple[str, str, tuple[int, ...], int, bytes]
@@ -115,10 +115,12 @@ def _delta_jobs(delta: bytes | memoryview) -> tuple[Any, list[_Job]]:
     return header, jobs
 
 
-def apply_into(old: Any, delta: bytes | memoryview, writer: TensorWriter, *, base_names: Iterable[str] | None = None) -> str:
+def apply_into(old: Any, delta: bytes | memoryview, writer: Any, *, base_names: Iterable[str] | None = None,
+               base_sha256: str | None = None) -> str:
     """Decode the delta's tensors on the base in ``old`` (a :class:`.tensorfile.TensorReader` or
     :class:`.tensorfile.TensorFiles`; ``base_names``: the base is these of its tensors, default all)
     and write each into ``writer``, whose layout must hold them with their dtypes and shapes.
+    ``base_sha256``: the base's hash when the caller has verified it (it is then not hashed again).
     Returns the target's hash, verified; raises :class:`DeltaError` when the base is not the
     delta's or the delta is corrupt (the caller discards what was written)."""
     # The compiled side (numba and the kernels), imported on first use.
@@ -132,32 +134,37 @@ def apply_into(old: Any, delta: bytes | memoryview, writer: TensorWriter, *, bas
         if writer.layout.get(name) != (dtype, shape):
             raise DeltaError(f"tensor {name!r} is not laid out as {dtype_name(dtype)} {list(shape)} in the output")
 
+    if base_sha256 is not None and base_sha256 != header.base_sha256:
+        raise DeltaError(f"delta is for a different parent (base {header.base_sha256[:12]}, given {base_sha256[:12]})")
+
     def decode(job: _Job) -> tuple[Digest, Digest | None]:
         entry, blob, (name, dtype, shape) = job
         with old.view(name) if name in base else _none() as prior:
-            base_digest = _digest(name, prior) if prior is not None else None
+            base_digest = _digest(name, prior) if prior is not None and base_sha256 is None else None
             try:
                 target = decode_tensor((entry, blob, prior), scratch(math.prod(shape) * dtype.itemsize))
             except DeltaError:
                 raise
             except (RuntimeError, ValueError, TypeError, OverflowError, IndexError) as exc:
                 raise DeltaError(f"corrupt delta: {type(exc).__name__}: {exc}") from exc
-        writer.write(name, target)
-        if entry["scheme"] == "same" and base_digest is not None:  # the same bits: the same digest
-            return base_digest, base_digest
-        return _digest(name, target), base_digest
+            writer.write(name, target)
+            if entry["scheme"] == "same" and base_digest is not None:  # the same bits: the same digest
+                return base_digest, base_digest
+            return _digest(name, target), base_digest
 
     failure: DeltaError | None = None
     try:
         results = map_tensors(decode, jobs, [math.prod(shape) for *_, (_, _, shape) in jobs])
     except DeltaError as exc:  # reported below, unless the base was the wrong one
         failure, results = exc, []
-    if failure is not None:  # hash the whole base to tell "wrong base" from "corrupt delta"
-        base_digests = _hash_all(old, sorted(base))
+    if base_sha256 is not None:
+        base_hash = base_sha256
+    elif failure is not None:  # hash the whole base to tell "wrong base" from "corrupt delta"
+        base_hash = combine_digests(_hash_all(old, sorted(base)))
     else:
         base_digests = [b for _, b in results if b is not None]
         base_digests += _hash_all(old, sorted(base - {layout[0] for *_, layout in jobs}))
-    base_hash = combine_digests(base_digests)
+        base_hash = combine_digests(base_digests)
     if base_hash != header.base_sha256:
         raise DeltaError(f"delta is for a different parent (base {header.base_sha256[:12]}, given {base_hash[:12]})")
     if failure is not None:
@@ -185,3 +192,22 @@ def files_sha256(files: Any) -> str:
     """The state hash (:func:`.state.state_sha256`) of every tensor in ``files`` (a
     :class:`.tensorfile.TensorReader` or :class:`.tensorfile.TensorFiles`), read tensor by tensor."""
     return combine_digests(_hash_all(files, sorted(files.index)))
+
+
+class _StateReader:
+    """A state in memory as :func:`apply_into` reads a base (``index``, ``view``)."""
+
+    def __init__(self, state: Mapping[str, torch.Tensor]) -> None:
+        self._state = state
+        self.index = {n: TensorInfo(n, t.dtype, tuple(t.shape), 0, t.numel() * t.element_size()) for n, t in state.items()}
+
+    @contextlib.contextmanager
+    def view(self, name: str) -> Iterator[torch.Tensor]:
+        yield self._state[name].detach().cpu().contiguous()
+
+
+def check_delta(old: Mapping[str, torch.Tensor], delta: bytes | memoryview, *, old_sha256: str) -> str:
+    """:func:`.delta.apply_delta`'s checks without keeping its result: each tensor is decoded on
+    ``old`` (whose hash ``old_sha256`` the caller verified), hashed and dropped, so the check holds
+    a few tensors, not a second state. Returns the target hash, verified, or raises :class:`DeltaError`."""
+    return apply_into(_StateReader(old), delta, Discard(delta_layout(delta)), base_sha256=old_sha256)

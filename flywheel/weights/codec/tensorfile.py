@@ -234,6 +234,21 @@ class TensorWriter:
             raise DeltaError(f"{len(self._pending)} tensor(s) never written, e.g. {sorted(self._pending)[0]!r}")
 
 
+class Discard:
+    """A writer (as :class:`TensorWriter`, any layout) that keeps nothing: what a check decodes into
+    when only the hashes matter (:func:`.streaming.check_delta`, :meth:`.anchor.AnchorReader.decode_into`)."""
+
+    def __init__(self, layout: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> None:
+        self.layout: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {n: (d, tuple(s)) for n, d, s in layout}
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        if name not in self.layout:
+            raise DeltaError(f"tensor {name!r} is not in the layout")
+
+    def close(self) -> None:
+        pass
+
+
 def _write_all(fd: int, data: bytes | memoryview, offset: int) -> None:
     view = memoryview(data).cast("B")
     done = 0
