@@ -19,21 +19,10 @@
 # DEVICE=cpu SIZE="--hidden 128 --layers 2 --vocab 2048" CONTROL_N=1000000 runs the same plumbing
 # on a machine without a GPU (the script's own check; its figures mean nothing).
 set -uo pipefail
-out=${OUT:?set OUT to the results folder}
-mkdir -p "$out"
-py=${PYTHON:-python3}
+# shellcheck source=bench/gpu_parts.sh
+source "$(dirname "$0")/gpu_parts.sh"  # $out, $py, part
 export DEVICE=${DEVICE:-cuda} CONTROL_N=${CONTROL_N:-550000000}
 size=${SIZE:---hidden 1280 --layers 24 --vocab 32000}
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/gpu.csv" 2>&1
-"$py" -c 'import torch, numba; print(torch.__version__, torch.version.cuda, numba.__version__)' > "$out/versions.txt" 2>&1
-
-part() {  # name, limit in seconds, command...
-  local name=$1 limit=$2; shift 2
-  local t0=$SECONDS
-  timeout "$limit" "$@" > "$out/$name.log" 2>&1
-  local rc=$?
-  echo "$name rc=$rc $((SECONDS - t0))s" | tee -a "$out/summary.txt"
-}
 
 part control 30 "$py" - <<'EOF'
 import json, os, time, torch

@@ -16,19 +16,8 @@
 #    in bf16 against padded rows) run only there, and the codec's CUDA tests.
 # Each part has its own time limit, so one that hangs or fails leaves the others' results.
 set -uo pipefail
-out=${OUT:?set OUT to the results folder}
-mkdir -p "$out"
-py=${PYTHON:-python3}
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/gpu.csv" 2>&1
-"$py" -c 'import torch, transformers; print(torch.__version__, torch.version.cuda, transformers.__version__)' > "$out/versions.txt" 2>&1
-
-part() {  # name, limit in seconds, command...
-  local name=$1 limit=$2; shift 2
-  local t0=$SECONDS
-  timeout "$limit" "$@" > "$out/$name.log" 2>&1
-  local rc=$?
-  echo "$name rc=$rc $((SECONDS - t0))s" | tee -a "$out/summary.txt"
-}
+# shellcheck source=bench/gpu_parts.sh
+source "$(dirname "$0")/gpu_parts.sh"  # $out, $py, part
 
 part step 110 "$py" -m bench.trainer_step --device cuda --json "$out/step.json"
 part step-block 35 "$py" -m bench.trainer_step --device cuda --loops flywheel \
