@@ -49,12 +49,18 @@ def same(path: Path, state: dict[str, torch.Tensor]) -> bool:
                                               for n in state)
 
 
+def chain(seed: int, n: int) -> list[dict[str, torch.Tensor]]:
+    """``n`` states, each a few one-ULP steps on the one before."""
+    states = [make_state(seed)]
+    for i in range(1, n):
+        states.append(step(states[-1], i))
+    return states
+
+
 def test_every_kind_of_version_rebuilds_into_a_file_with_its_hash(tmp_path: Path) -> None:
     registry = registry_at(tmp_path)
     store = registry.store
-    states = [make_state(3)]
-    for i in range(1, 7):
-        states.append(step(states[-1], i))
+    states = chain(3, 7)
     registry.publish_manifest(shard_manifest(store, states[0], None, token="a"), parent=None)  # v0 sharded anchor
     registry.publish_manifest(shard_manifest(store, states[1], states[0], token="b"), parent=0)  # v1 sharded delta
     registry.publish(states[2], parent=1, parent_state=states[1])  # v2 delta on a sharded parent
@@ -93,9 +99,7 @@ def test_every_kind_of_version_rebuilds_into_a_file_with_its_hash(tmp_path: Path
 def test_a_damaged_object_a_foreign_base_or_a_lost_shard_leaves_the_output_alone(tmp_path: Path) -> None:
     registry = registry_at(tmp_path)
     store = registry.store
-    states = [make_state(5)]
-    for i in range(1, 4):
-        states.append(step(states[-1], i))
+    states = chain(5, 4)
     registry.publish(states[0], parent=None)
     registry.publish(states[1], parent=0, parent_state=states[0])
     registry.publish_manifest(shard_manifest(store, states[2], states[1], token="c"), parent=1)
@@ -193,7 +197,7 @@ def test_a_node_applying_a_delta_holds_a_few_tensors_not_the_model(tmp_path: Pat
 
 def test_the_tensor_files_refuse_a_name_in_two_shards(tmp_path: Path) -> None:
     registry = registry_at(tmp_path)
-    states = [make_state(1), step(make_state(1), 1)]
+    states = chain(1, 2)
     registry.publish(states[0], parent=None)
     registry.publish(states[1], parent=0, parent_state=states[0])
     twice = [file_of(tmp_path, "a.safetensors", states[0]), file_of(tmp_path, "b.safetensors", {"norm": torch.ones(32)})]
