@@ -273,3 +273,35 @@ def test_digests_the_caller_already_has_make_the_same_anchor_and_are_checked_on_
             encode_anchor(state, bad)
     with pytest.raises(DeltaError, match="digest"):
         decode_anchor(encode_anchor(state, {**digests, "b": digests["w"]}))
+
+
+def test_read_by_ranges_an_anchor_is_the_same_state_in_few_reads(tmp_path) -> None:
+    """AnchorReader (a node reading an anchor from an object store by ranges): the header, then
+    runs of consecutive tensors up to READ_BATCH bytes per read, so 300 small tensors cost a few
+    requests, not 300; a big tensor is read on its own; the file it writes is the state."""
+    import safetensors.torch
+
+    from flywheel.weights.codec.tensorfile import TensorWriter
+
+    g = torch.Generator().manual_seed(3)
+    state = {f"norm.{i:03d}": torch.randn(512, generator=g).bfloat16() for i in range(300)}
+    state["embed"] = (torch.randn(3000, 2048, generator=g) * 0.02).bfloat16()  # 12 MB: over one batch
+    data = encode_anchor(state)
+    reads: list[tuple[int, int]] = []
+
+    def read(at: int, length: int) -> bytes:
+        reads.append((at, length))
+        return data[at : at + length]
+
+    reader = anchor.AnchorReader(read, len(data))
+    assert reader.sha256 == state_sha256(state) and [n for n, *_ in reader.layout] == sorted(state)
+    with open(tmp_path / "out.safetensors", "wb") as fh:
+        writer = TensorWriter(fh.fileno(), reader.layout)
+        assert reader.decode_into(writer) == state_sha256(state)
+        writer.close()
+    assert_same(safetensors.torch.load_file(tmp_path / "out.safetensors"), state)
+    body = sorted(reads[2:])
+    assert len(reads) == 2 + 2  # prefix, header, the big tensor, the 300 small ones together
+    assert max(length for _, length in body) > anchor.READ_BATCH  # the embedding, alone
+    assert all(a + n <= b for (a, n), (b, _) in zip(body, body[1:], strict=False))  # no byte read twice
+    assert sum(n for _, n in reads) == len(data)

@@ -65,6 +65,10 @@ _PROBE_BYTES = 1 << 16
 _ZSTD_MAX_RATIO = 1 << 15
 _ZSTD_MIN_FRAME = 1 << 17
 _LOCAL = threading.local()
+#: :class:`AnchorReader` reads runs of consecutive small tensors' streams (each under
+#: ``READ_ALONE`` bytes) in one range of up to ``READ_BATCH`` bytes; a bigger tensor on its own.
+READ_ALONE = 1 << 20
+READ_BATCH = 4 << 20
 
 
 def is_anchor(data: bytes | memoryview) -> bool:
@@ -289,12 +293,32 @@ class AnchorReader:
                 raise DeltaError(f"tensor {entry['name']!r} is not laid out as {dtype_name(dtype)} {list(shape)} "
                                  "in the output")
 
-        def one(part: tuple[Any, ...]) -> None:
-            entry, dtype, shape, numel, at, length = part
-            writer.write(entry["name"], _decode_tensor((entry, dtype, shape, numel, memoryview(self._read(at, length)))))
+        def batch(parts: list[tuple[Any, ...]]) -> None:
+            start = parts[0][4]
+            blob = memoryview(self._read(start, parts[-1][4] + parts[-1][5] - start))  # one read for the batch
+            for entry, dtype, shape, numel, at, length in parts:
+                writer.write(entry["name"], _decode_tensor((entry, dtype, shape, numel, blob[at - start : at - start + length])))
 
-        map_tensors(one, self._parts, [part[3] for part in self._parts])
+        batches = _batches(self._parts)
+        map_tensors(batch, batches, [sum(part[3] for part in parts) for parts in batches])
         return self.sha256
+
+
+def _batches(parts: list[tuple[Any, ...]]) -> list[list[tuple[Any, ...]]]:
+    """Consecutive small tensors in runs of at most :data:`READ_BATCH` stored bytes, every tensor
+    of :data:`READ_ALONE` bytes or more on its own: one range read each, so a model's many small
+    tensors (norms, biases) do not cost a request each on an object store, and a thread never
+    holds more than one big tensor's streams."""
+    out: list[list[tuple[Any, ...]]] = []
+    held = READ_BATCH
+    for part in parts:  # in the object's order: each run is one contiguous range
+        if part[5] < READ_ALONE and held + part[5] <= READ_BATCH:
+            out[-1].append(part)
+            held += part[5]
+        else:
+            out.append([part])
+            held = part[5] if part[5] < READ_ALONE else READ_BATCH  # a big tensor is read alone
+    return out
 
 
 def anchor_reader(data: bytes | memoryview) -> AnchorReader:
