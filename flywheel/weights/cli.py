@@ -184,11 +184,12 @@ def _squash(args: argparse.Namespace, settings: Any) -> int:
 
 
 def _gc(args: argparse.Namespace, settings: Any) -> int:
+    from flywheel.weights.collect import collect
     from flywheel.weights.store import StoreError
 
     registry = _registry(settings)
     try:
-        gone = registry.collect(keep_rollback=args.keep_rollback, node_ttl_s=args.node_ttl, dry_run=args.dry_run)
+        gone = collect(registry, keep_rollback=args.keep_rollback, node_ttl_s=args.node_ttl, dry_run=args.dry_run)
     except StoreError as exc:  # e.g. a registry row whose store_key is not a safe key: nothing outside is touched
         return _fail(f"gc stopped: {exc}")
     verb = "would collect" if args.dry_run else "collected"

@@ -36,11 +36,9 @@ Invariants:
   (a pin of the stable version, and an unpin, as a ``stable -> stable`` row whose reason says so).
   Every status or pin change runs under the line's lock, so a pin and a compare-and-set
   (``expect=``) never interleave.
-- :meth:`Registry.collect` (garbage collection) deletes only objects that no kept version needs:
-  kept are the stable and canary versions, candidates newer than stable, the version every node
-  heartbeating within ``node_ttl_s`` reports live, the last ``keep_rollback`` formerly stable
-  versions, and every ancestor their chains need. Collected versions keep their row (status
-  ``collected``, audited) so version numbers and the audit log stay whole.
+- Garbage collection (:mod:`flywheel.weights.collect`) marks a version ``collected`` here
+  (:meth:`Registry.mark_collected`, audited) before it deletes its objects; collected versions
+  keep their row so version numbers and the audit log stay whole.
 - A sharded version (:meth:`Registry.publish_manifest`, from trainer ranks that each wrote and
   verified one shard) is a row like any other whose object is a manifest of shard objects
   (:mod:`flywheel.weights.shards`); loads and garbage collection follow the manifest to its shards.
@@ -63,7 +61,7 @@ from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
-from flywheel.db.models import ModelVersion, Node, VersionTransition
+from flywheel.db.models import ModelVersion, VersionTransition
 from flywheel.db.trained import record_trained, trained_ids
 from flywheel.weights.codec.anchor import anchor_reader, encode_anchor, raw_bytes, read_full
 from flywheel.weights.codec.container import read_delta_header
@@ -72,7 +70,7 @@ from flywheel.weights.codec.state import DeltaError, state_sha256, tensor_digest
 from flywheel.weights.codec.stats import count_changed
 from flywheel.weights.codec.streaming import check_delta
 from flywheel.weights.codec.tensorfile import Discard
-from flywheel.weights.shards import SUFFIX, check_manifest, is_manifest, load_sharded, object_keys, read_manifest
+from flywheel.weights.shards import SUFFIX, check_manifest, is_manifest, load_sharded, read_manifest
 from flywheel.weights.shipping import ShippedBytes, shipped_bytes
 from flywheel.weights.store import RegionalCache, Store, StoreError, validate_key
 
@@ -620,7 +618,7 @@ class Registry:
         except StoreError as exc:
             raise WeightsError(f"version {info.version}: object {info.store_key!r} unavailable: {exc}") from exc
 
-    # --- squash and garbage collection ----------------------------------------------------------
+    # --- squash and the garbage collector's mark ------------------------------------------------
 
     def squash(self, old: int, new: int) -> bytes:
         """One delta that turns version ``old`` into version ``new`` (any two versions of the line,
@@ -636,51 +634,18 @@ class Registry:
             raise WeightsError(f"squashed delta v{old} -> v{new} does not rebuild v{new}: {exc}") from exc
         return delta
 
-    def needed(self, *, keep_rollback: int = 2, node_ttl_s: float = 600.0) -> set[int]:
-        """The versions :meth:`collect` keeps (see the module invariants)."""
-        now = datetime.now(UTC)
-        with self._sessions() as session:
-            rows = {r.version: r for r in session.scalars(
-                select(ModelVersion).where(ModelVersion.model_line == self.model_line))}
-            live = {v for v, beat in session.execute(
-                select(Node.live_version, Node.last_heartbeat).where(Node.model_line == self.model_line)).all()
-                if v is not None and (now - _utc(beat)).total_seconds() <= node_ttl_s}
-            was_stable = session.scalars(
-                select(VersionTransition.version)
-                .where(VersionTransition.model_line == self.model_line, VersionTransition.to_status == "stable")
-                .order_by(VersionTransition.id.desc())).all()
-        stable = [v for v, r in rows.items() if r.status == "stable"]
-        newest_stable = max(stable, default=-1)
-        roots = set(stable) | live
-        roots |= {v for v, r in rows.items() if r.status == "canary" or (r.status == "candidate" and v > newest_stable)}
-        previous = [v for v in dict.fromkeys(was_stable) if v not in stable and rows.get(v) is not None
-                    and rows[v].status != "rolled_back"]
-        roots |= set(previous[:keep_rollback])
-        keep: set[int] = set()
-        for version in roots:
-            while version is not None and version in rows and version not in keep:
-                keep.add(version)
-                row = rows[version]
-                version = row.parent if row.kind == "delta" else None
-        return keep
-
-    def collect(self, *, keep_rollback: int = 2, node_ttl_s: float = 600.0, dry_run: bool = False) -> list[int]:
-        """Delete the objects of versions nothing needs (:meth:`needed`); returns those versions."""
-        keep = self.needed(keep_rollback=keep_rollback, node_ttl_s=node_ttl_s)
-        doomed = [i for i in self.versions() if i.version not in keep and i.status != "collected"]
-        if dry_run:
-            return [i.version for i in doomed]
-        now = datetime.now(UTC)
-        for info in doomed:
-            with self._sessions() as session, session.begin():
-                row = session.get(ModelVersion, (self.model_line, info.version), with_for_update=True)
-                if row is None or row.status != info.status:
-                    continue  # promoted (or collected) meanwhile: leave it
-                session.add(self._transition(info.version, row.status, "collected", "garbage collection", now))
-                row.status = "collected"
-            for key in object_keys(self.store, info.store_key):  # after the row says so: a load never finds half a version
-                self.store.delete(key)
-        return [i.version for i in doomed]
+    def mark_collected(self, info: VersionInfo) -> bool:
+        """Set version ``info.version`` to ``collected`` (audited) unless its status changed since
+        ``info`` was read (promoted, or collected meanwhile); whether it did. Garbage collection
+        (:mod:`flywheel.weights.collect`) deletes the objects after this, so a load never finds
+        half a version."""
+        with self._sessions() as session, session.begin():
+            row = session.get(ModelVersion, (self.model_line, info.version), with_for_update=True)
+            if row is None or row.status != info.status:
+                return False
+            session.add(self._transition(info.version, row.status, "collected", "garbage collection", datetime.now(UTC)))
+            row.status = "collected"
+        return True
 
 
 def _check_status(status: str) -> None:

@@ -12,6 +12,7 @@ import torch
 
 from flywheel.settings import load_settings
 from flywheel.weights.codec.state import state_sha256
+from flywheel.weights.collect import collect, needed
 from flywheel.weights.registry import LinePinned, Registry, StatusChanged, VersionNotFound, WeightsError
 from flywheel.weights.store import FolderStore, InvalidKey, ObjectNotFound, S3Store, make_store
 
@@ -330,13 +331,13 @@ def test_only_verifiable_versions_can_be_pinned(sessions, store, rng: random.Ran
         registry.pin(2, by="x")
     assert registry.pinned() is None and registry.get(2).status == "candidate"
     registry.set_status(1, "stable", "ok")
-    registry.collect(keep_rollback=0)  # v0 (retired, nobody needs it) is collected
+    collect(registry, keep_rollback=0)  # v0 (retired, nobody needs it) is collected
     assert registry.get(0).status == "collected"
     with pytest.raises(WeightsError, match="garbage-collected"):
         registry.pin(0, by="x")
     pin, _ = registry.pin(1, by="x")  # the stable one: no reload needed
     assert pin.version == 1
-    assert 1 in registry.needed(keep_rollback=0)
+    assert 1 in needed(registry, keep_rollback=0)
 
 
 def test_a_pin_survives_a_restart_and_the_database_keeps_one_per_line(migrated_db_url, store, rng) -> None:

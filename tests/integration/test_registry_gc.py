@@ -13,6 +13,7 @@ import pytest
 from flywheel.db.models import Node
 from flywheel.weights.codec.delta import apply_delta
 from flywheel.weights.codec.state import state_sha256
+from flywheel.weights.collect import collect, needed
 from flywheel.weights.registry import Registry, WeightsError
 from flywheel.weights.store import FolderStore
 from tests.integration.test_registry import assert_bit_exact, make_state, train_step
@@ -80,12 +81,12 @@ def test_garbage_collection_keeps_what_nodes_canaries_candidates_and_rollbacks_n
 
     # Kept: stable 5 (its chain: 4), canary 7, candidate 8, node n-live's 2 (chain 1, 0), and with
     # one rollback step the previous stable 3. The rolled-back 6 goes; the stale node keeps nothing.
-    assert registry.needed(keep_rollback=1) == {0, 1, 2, 3, 4, 5, 7, 8}
-    assert registry.needed(keep_rollback=0) == {0, 1, 2, 4, 5, 7, 8}
+    assert needed(registry, keep_rollback=1) == {0, 1, 2, 3, 4, 5, 7, 8}
+    assert needed(registry, keep_rollback=0) == {0, 1, 2, 4, 5, 7, 8}
     keys = {v: registry.get(v).store_key for v in range(9)}
-    assert registry.collect(keep_rollback=0, dry_run=True) == [3, 6]
+    assert collect(registry, keep_rollback=0, dry_run=True) == [3, 6]
     assert all(store.exists(k) for k in keys.values())
-    assert registry.collect(keep_rollback=0) == [3, 6]
+    assert collect(registry, keep_rollback=0) == [3, 6]
     assert not store.exists(keys[3]) and not store.exists(keys[6])
     assert [registry.get(v).status for v in (3, 6)] == ["collected", "collected"]
     assert registry.transitions(6)[-1]["to_status"] == "collected"
@@ -93,7 +94,7 @@ def test_garbage_collection_keeps_what_nodes_canaries_candidates_and_rollbacks_n
         registry.load(6)
     for v in (0, 1, 2, 4, 5, 7, 8):
         assert_bit_exact(registry.load(v), states[v])
-    assert registry.collect(keep_rollback=0) == []  # nothing left to collect
+    assert collect(registry, keep_rollback=0) == []  # nothing left to collect
 
 
 def test_a_status_change_can_be_conditional_on_the_current_status(sessions, tmp_path: Path) -> None:

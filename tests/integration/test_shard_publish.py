@@ -20,6 +20,7 @@ import torch
 from bench.sharded_publish import node_load, run_job
 from flywheel.db.session import make_engine, make_session_factory, upgrade
 from flywheel.weights.codec.state import DeltaError, state_sha256
+from flywheel.weights.collect import collect
 from flywheel.weights.registry import Registry, WeightsError
 from flywheel.weights.shards import (
     encode_shard,
@@ -153,7 +154,7 @@ def test_a_corrupt_missing_or_foreign_shard_is_refused(registry: Registry) -> No
     assert len(keys) == 3 and all(store.exists(k) for k in keys)
     registry.set_status(0, "stable", reason="test")
     registry.set_status(1, "rolled_back", reason="test")
-    assert registry.collect(keep_rollback=0) == [1]
+    assert collect(registry, keep_rollback=0) == [1]
     assert not any(store.exists(k) for k in keys)
 
 
