@@ -305,3 +305,22 @@ def test_read_by_ranges_an_anchor_is_the_same_state_in_few_reads(tmp_path) -> No
     assert max(length for _, length in body) > anchor.READ_BATCH  # the embedding, alone
     assert all(a + n <= b for (a, n), (b, _) in zip(body, body[1:], strict=False))  # no byte read twice
     assert sum(n for _, n in reads) == len(data)
+
+
+def test_an_anchor_whose_first_tensor_stores_nothing_is_read_by_ranges() -> None:
+    """An empty tensor first in the object (no stored bytes) starts a run like any small one."""
+    state = {"a.empty": torch.empty(0, dtype=torch.bfloat16), "b.w": torch.randn(64).bfloat16()}
+    data = encode_anchor(state)
+    got: dict[str, torch.Tensor] = {}
+    anchor.anchor_reader(data).decode_into(_Keep(got, state))
+    assert_same(got, state)
+
+
+class _Keep:
+    """A writer laid out as ``state`` that keeps what it is given."""
+
+    def __init__(self, into: dict[str, torch.Tensor], state: dict[str, torch.Tensor]) -> None:
+        self.into, self.layout = into, {n: (t.dtype, tuple(t.shape)) for n, t in state.items()}
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        self.into[name] = tensor.clone()

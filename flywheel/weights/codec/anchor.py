@@ -312,7 +312,7 @@ def _batches(parts: list[tuple[Any, ...]]) -> list[list[tuple[Any, ...]]]:
     out: list[list[tuple[Any, ...]]] = []
     held = READ_BATCH
     for part in parts:  # in the object's order: each run is one contiguous range
-        if part[5] < READ_ALONE and held + part[5] <= READ_BATCH:
+        if out and part[5] < READ_ALONE and held + part[5] <= READ_BATCH:
             out[-1].append(part)
             held += part[5]
         else:
