@@ -46,15 +46,19 @@ Layout = list[tuple[str, torch.dtype, tuple[int, ...]]]
 
 def files_digest(paths: Paths) -> tuple[str, dict[str, tuple[torch.dtype, tuple[int, ...]]]]:
     """The state hash of the tensors in the safetensors files ``paths`` (a model folder's shards),
-    read tensor by tensor, and each tensor's dtype and shape."""
+    read tensor by tensor, and their :func:`files_layout`."""
     with TensorFiles(list(paths)) as files:
-        return files_sha256(files), {n: (i.dtype, i.shape) for n, i in files.index.items()}
+        return files_sha256(files), _layout(files)
 
 
 def files_layout(paths: Paths) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
     """Each tensor's dtype and shape in the safetensors files ``paths`` (their headers only)."""
     with TensorFiles(list(paths)) as files:
-        return {n: (i.dtype, i.shape) for n, i in files.index.items()}
+        return _layout(files)
+
+
+def _layout(files: TensorFiles) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    return {n: (i.dtype, i.shape) for n, i in files.index.items()}
 
 
 def rebuild_file(registry: Registry, version: int, out_path: str | os.PathLike[str], *,
@@ -91,7 +95,7 @@ def rebuild_file(registry: Registry, version: int, out_path: str | os.PathLike[s
             path, fd = step_file()
             with os.fdopen(fd, "r+b", closefd=True) as fh:
                 _delta_into(registry, info, parent, source, fh.fileno())
-            if source and Path(source[0]) in made:
+            if Path(source[0]) in made:
                 Path(source[0]).unlink()
             source, parent = [path], info
         final = Path(source[0])
@@ -175,10 +179,10 @@ def _delta_into(registry: Registry, info: VersionInfo, parent: VersionInfo, sour
         with TensorFiles(list(source)) as old:
             if is_manifest(info.store_key):
                 manifest, layout = _manifest(info, data)
-                with ThreadPoolExecutor(min(FETCH_THREADS, max(1, len(manifest.shards))), "flywheel-shards") as pool:
-                    blobs = list(pool.map(lambda meta: fetch_shard(registry.store, meta), manifest.shards))
                 if manifest.kind != "delta" or manifest.base_sha256 != parent.sha256:
                     raise DeltaError("a sharded delta needs its parent's state as the base")
+                with ThreadPoolExecutor(min(FETCH_THREADS, max(1, len(manifest.shards))), "flywheel-shards") as pool:
+                    blobs = list(pool.map(lambda meta: fetch_shard(registry.store, meta), manifest.shards))
                 writer = TensorWriter(fd, layout)
                 for meta, blob in zip(manifest.shards, blobs, strict=True):
                     names = [n for n, *_ in meta.tensors if n in old.index]

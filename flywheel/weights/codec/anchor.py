@@ -250,20 +250,12 @@ def _anchor_parts(header: dict[str, Any], offset: int, size: int) -> tuple[list[
     return parts, sha
 
 
-def _anchor_jobs(data: bytes | memoryview) -> tuple[list[_Job], str]:
-    """Every tensor's decoding job and the state hash (:func:`_anchor_parts`)."""
-    header, offset = read_anchor_header(data)
-    view = memoryview(data)
-    parts, sha = _anchor_parts(header, offset, len(view))
-    return [(entry, dtype, shape, numel, view[at : at + length]) for entry, dtype, shape, numel, at, length in parts], sha
-
-
 def decode_anchor(data: bytes | memoryview) -> tuple[State, str]:
     """Inverse of :func:`encode_anchor`: the state (name order) and its :func:`.state.state_sha256`,
     checked against every tensor's digest; corrupt or truncated input raises :class:`DeltaError`."""
-    jobs, sha = _anchor_jobs(data)
-    tensors = map_tensors(_decode_tensor, jobs, [job[3] for job in jobs])
-    return dict(sorted(zip((job[0]["name"] for job in jobs), tensors, strict=True))), sha
+    reader, state = anchor_reader(data), {}
+    reader.each(state.__setitem__)
+    return dict(sorted(state.items())), reader.sha256
 
 
 class AnchorReader:
@@ -285,23 +277,26 @@ class AnchorReader:
 
     def decode_into(self, writer: Any) -> str:
         """Decode every tensor into ``writer`` (a :class:`.tensorfile.TensorWriter` laid out with
-        them) on the codec's threads, each checked against its digest before it is written (the
-        digests against the state hash already); returns the state hash. On :class:`DeltaError`
-        the caller discards the file."""
+        them), as :meth:`each`; returns the state hash. On :class:`DeltaError` the caller discards
+        the file."""
         for entry, dtype, shape, *_ in self._parts:
             if writer.layout.get(entry["name"]) != (dtype, shape):
                 raise DeltaError(f"tensor {entry['name']!r} is not laid out as {dtype_name(dtype)} {list(shape)} "
                                  "in the output")
+        self.each(writer.write)
+        return self.sha256
 
+    def each(self, take: Callable[[str, torch.Tensor], Any]) -> None:
+        """``take(name, tensor)`` for every tensor, decoded on the codec's threads, each checked
+        against its digest first (the digests against the state hash already)."""
         def batch(parts: list[tuple[Any, ...]]) -> None:
             start = parts[0][4]
             blob = memoryview(self._read(start, parts[-1][4] + parts[-1][5] - start))  # one read for the batch
             for entry, dtype, shape, numel, at, length in parts:
-                writer.write(entry["name"], _decode_tensor((entry, dtype, shape, numel, blob[at - start : at - start + length])))
+                take(entry["name"], _decode_tensor((entry, dtype, shape, numel, blob[at - start : at - start + length])))
 
         batches = _batches(self._parts)
         map_tensors(batch, batches, [sum(part[3] for part in parts) for parts in batches])
-        return self.sha256
 
 
 def _batches(parts: list[tuple[Any, ...]]) -> list[list[tuple[Any, ...]]]:

@@ -11,8 +11,8 @@ model's size. Both hashes are computed in the same pass (the state hash is two-l
 tensor, see :func:`.state.combine_digests`), so every byte of both files is read once.
 
 Invariant, as for :func:`.delta.apply_delta`: :func:`apply_files` and :func:`apply_into` return
-normally only when what they wrote rebuilds the delta's target hash from a base with the delta's base hash; otherwise
-it raises :class:`.state.DeltaError` and the caller discards the file.
+normally only when what they wrote rebuilds the delta's target hash from a base with the delta's
+base hash; otherwise they raise :class:`.state.DeltaError` and the caller discards the file.
 """
 
 from __future__ import annotations
