@@ -228,7 +228,7 @@ def _publish_candidate(up: Stack) -> int:
 @pytest.fixture
 def context(chromium: Any, stack: Stack) -> Iterator[Any]:
     ctx = chromium.new_context(base_url=stack.gateway, viewport=VIEWPORT)
-    ctx.set_default_timeout(15_000)
+    ctx.set_default_timeout(30_000)  # a loaded 2-core machine has taken over 15 s to answer a login
     try:
         yield ctx
     finally:
@@ -301,7 +301,7 @@ def test_every_page_loads_without_an_error(context, stack):
     visit(watched, "/console")
     assert page.inner_text("#stable-version").strip() == f"v{stable}"
     # The live refresh: the page's script re-fetches <main> as a fragment every 5 s.
-    page.locator("#main[data-updated]").wait_for(state="attached", timeout=12_000)  # a selector: the CSP forbids eval
+    page.locator("#main[data-updated]").wait_for(state="attached", timeout=25_000)  # a selector: the CSP forbids eval
     assert page.inner_text("#stable-version").strip() == f"v{stable}"
     watched.assert_clean("the overview after its refresh")
     shoot(page, "overview")

@@ -199,7 +199,7 @@ def test_kill_9_at_a_random_moment_then_restart_loses_and_repeats_nothing(
     proc = start_trainer(config, log_path, launcher)
     kill_after = rng.randint(2, 7)
     latest = lambda: getattr(registry.latest(), "version", -1)  # noqa: E731
-    wait_for(f"v{kill_after}", lambda: latest() >= kill_after, proc, log_path, timeout_s=120 if launcher else 60)
+    wait_for(f"v{kill_after}", lambda: latest() >= kill_after, proc, log_path, timeout_s=240 if launcher else 150)
     time.sleep(rng.uniform(0.0, 0.6))  # anywhere in a step, a checkpoint write, a publish or a commit
     kill_9(proc)  # the trainer, or torchrun and every rank
     assert proc.wait(10) == -signal.SIGKILL
@@ -209,7 +209,7 @@ def test_kill_9_at_a_random_moment_then_restart_loses_and_repeats_nothing(
     proc = start_trainer(config, log_path, launcher)
     try:
         wait_for("every trajectory trained", lambda: len(trained_ids(registry)) >= N_TRAJECTORIES, proc, log_path,
-                 timeout_s=150 if launcher else 75)
+                 timeout_s=300 if launcher else 180)
         time.sleep(1.0)  # long enough for a wrongly repeated version to show up
     finally:
         proc.send_signal(signal.SIGTERM)
