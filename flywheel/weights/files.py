@@ -2,20 +2,23 @@
 
 :func:`rebuild_file` is :meth:`.registry.Registry.load` written to a file: the version's chain is
 walked from ``base`` (files the caller holds, a version on the chain) or from the nearest full
-version, and each step is decoded from the previous step's file into a new one, one tensor at a
-time on the codec's thread pool (:func:`.codec.streaming.apply_into`,
-:class:`.codec.anchor.AnchorReader`). No whole state is held, and no anchor either: an anchor
-(or a sharded anchor's shards) is read from the store by ranges, each tensor's streams as the
-thread pool comes to them (:meth:`.store.Store.get_range`). Peak memory is the interpreter, a few of
-the largest tensors per thread, and the delta being applied (a delta version's shards are fetched
-in parallel, whole: a delta is about 1% of the model). A vLLM node (full weights) loads versions
-this way and never holds the model.
+version (an anchor, written to a step file first). The deltas after it are applied in one pass
+(:func:`.codec.streaming.apply_chain`): each tensor goes through every delta on one thread of the
+codec's pool and only the last version is written, so a node ten versions behind writes one file,
+not ten. A pass holds at most :data:`PASS_BYTES` of delta objects; a longer chain is cut into
+passes, each written to a step file. No whole state is held, and no anchor either: an anchor (or a
+sharded anchor's shards) is read from the store by ranges, each tensor's streams as the thread
+pool comes to them (:meth:`.store.Store.get_range`, :class:`.codec.anchor.AnchorReader`). Peak
+memory is the interpreter, a few of the largest tensors per thread, and the pass's deltas (a delta
+version's shards are fetched in parallel, whole: a delta is about 1% of the model). A vLLM node
+(full weights) loads versions this way and never holds the model.
 
 Invariants:
 - ``out_path`` is replaced (atomically, after an fsync) only by a file whose tensors hash to the
-  version's recorded sha256: every step's base and target hashes are checked as it is decoded,
-  every anchor tensor against its digest. On any failure :class:`.registry.WeightsError` is
-  raised, ``out_path`` is left as it was, and the step files are removed.
+  version's recorded sha256: every version's base and target hashes are checked as if it were
+  applied alone (a sharded version's per shard and whole), every anchor tensor against its digest.
+  On any failure :class:`.registry.WeightsError` names the version to blame, ``out_path`` is left
+  as it was, and the step files are removed.
 - The output lays tensors out as the version's object does (name order); a file rebuilt from a
   delta is byte for byte the file :func:`.codec.streaming.apply_files` writes.
 """
@@ -34,13 +37,15 @@ import torch
 from flywheel.weights.codec.anchor import MAGIC, AnchorReader, is_anchor, read_full
 from flywheel.weights.codec.container import read_delta_header
 from flywheel.weights.codec.state import DeltaError
-from flywheel.weights.codec.streaming import apply_into, delta_layout, files_sha256
+from flywheel.weights.codec.streaming import Step, StepError, apply_chain, delta_layout, files_sha256
 from flywheel.weights.codec.tensorfile import TensorFiles, TensorWriter
 from flywheel.weights.registry import Registry, VersionInfo, WeightsError
 from flywheel.weights.shards import FETCH_THREADS, Manifest, fetch_shard, is_manifest, read_manifest
 from flywheel.weights.store import Store, StoreError
 
 Paths = Sequence[str | os.PathLike[str]]
+#: One pass of :func:`rebuild_file` holds at most this many bytes of delta objects (one at least).
+PASS_BYTES = 1 << 30
 Layout = list[tuple[str, torch.dtype, tuple[int, ...]]]
 
 
@@ -91,13 +96,13 @@ def rebuild_file(registry: Registry, version: int, out_path: str | os.PathLike[s
                 _full_into(registry, start, fh.fileno())
             source = [path]
         parent = start
-        for info in chain:
+        for run in _passes(chain):
             path, fd = step_file()
             with os.fdopen(fd, "r+b", closefd=True) as fh:
-                _delta_into(registry, info, parent, source, fh.fileno())
+                _chain_into(registry, run, parent, source, fh.fileno())
             if Path(source[0]) in made:
                 Path(source[0]).unlink()
-            source, parent = [path], info
+            source, parent = [path], run[-1]
         final = Path(source[0])
         with open(final, "rb+") as fh:
             os.fsync(fh.fileno())
@@ -172,29 +177,70 @@ def _full_into(registry: Registry, info: VersionInfo, fd: int) -> None:
         raise WeightsError(f"version {info.version} ({info.store_key}): does not match its recorded hash")
 
 
-def _delta_into(registry: Registry, info: VersionInfo, parent: VersionInfo, source: Paths, fd: int) -> None:
-    """A delta version (or a sharded one) applied on ``parent``'s files ``source`` into the file at ``fd``."""
+def _passes(chain: list[VersionInfo]) -> list[list[VersionInfo]]:
+    """The chain's deltas cut into runs rebuilt in one pass each: as many as :data:`PASS_BYTES` of
+    objects allow (one at least), so a node far behind writes a file per run, not per version."""
+    runs: list[list[VersionInfo]] = []
+    held = 0
+    for info in chain:
+        if not runs or held + info.bytes > PASS_BYTES:
+            runs.append([])
+            held = 0
+        runs[-1].append(info)
+        held += info.bytes
+    return runs
+
+
+def _step(registry: Registry, info: VersionInfo, parent: VersionInfo) -> tuple[Step, Layout]:
+    """A delta version (or a sharded one) as a step of :func:`.codec.streaming.apply_chain` on
+    ``parent``, its objects fetched (a sharded version's shards in parallel), and its target's layout."""
     data = registry.fetch(info)
+    if not is_manifest(info.store_key):
+        header = read_delta_header(data)[0]
+        if header.target_sha256 != info.sha256 or header.base_sha256 != parent.sha256:
+            raise DeltaError("delta's hashes differ from the registry's")
+        return Step([(data, None)]), delta_layout(data)
+    manifest, layout = _manifest(info, data)
+    if manifest.kind != "delta" or manifest.base_sha256 != parent.sha256:
+        raise DeltaError("a sharded delta needs its parent's state as the base")
+    with ThreadPoolExecutor(min(FETCH_THREADS, max(1, len(manifest.shards))), "flywheel-shards") as pool:
+        blobs = list(pool.map(lambda meta: fetch_shard(registry.store, meta), manifest.shards))
+    parts = []
+    for meta, blob in zip(manifest.shards, blobs, strict=True):
+        header = read_delta_header(blob)[0]
+        if header.base_sha256 != meta.base_sha256 or header.target_sha256 != meta.sha256:
+            raise DeltaError(f"shard {meta.rank} ({meta.key}) does not rebuild to its manifest hash")
+        parts.append((blob, [n for n, *_ in meta.tensors]))
+    return Step(parts, base_sha256=manifest.base_sha256, sha256=manifest.sha256), layout
+
+
+def _chain_into(registry: Registry, run: list[VersionInfo], parent: VersionInfo, source: Paths, fd: int) -> None:
+    """The delta versions ``run`` (each the next one's parent, the first on ``parent``) applied in one
+    pass on ``parent``'s files ``source`` into the file at ``fd``."""
+    steps: list[tuple[Step, Layout]] = []
+    prior = parent
+    for info in run:
+        try:
+            steps.append(_step(registry, info, prior))
+        except DeltaError as exc:
+            raise WeightsError(f"version {info.version} ({info.store_key}): {exc}") from exc
+        prior = info
     try:
         with TensorFiles(list(source)) as old:
-            if is_manifest(info.store_key):
-                manifest, layout = _manifest(info, data)
-                if manifest.kind != "delta" or manifest.base_sha256 != parent.sha256:
-                    raise DeltaError("a sharded delta needs its parent's state as the base")
-                with ThreadPoolExecutor(min(FETCH_THREADS, max(1, len(manifest.shards))), "flywheel-shards") as pool:
-                    blobs = list(pool.map(lambda meta: fetch_shard(registry.store, meta), manifest.shards))
-                writer = TensorWriter(fd, layout)
-                for meta, blob in zip(manifest.shards, blobs, strict=True):
-                    names = [n for n, *_ in meta.tensors if n in old.index]
-                    if read_delta_header(blob)[0].base_sha256 != meta.base_sha256 or \
-                            apply_into(old, blob, writer, base_names=names) != meta.sha256:
-                        raise DeltaError(f"shard {meta.rank} ({meta.key}) does not rebuild to its manifest hash")
-            else:
-                header = read_delta_header(data)[0]
-                if header.target_sha256 != info.sha256 or header.base_sha256 != parent.sha256:
-                    raise DeltaError("delta's hashes differ from the registry's")
-                writer = TensorWriter(fd, delta_layout(data))
-                apply_into(old, data, writer)
+            # A shard's base is those of its tensors that the state before it has (one it adds has none).
+            before, chained = set(old.index), []
+            for step, layout in steps:
+                if step.base_sha256 is not None:
+                    step = Step([(blob, [n for n in names if n in before]) for blob, names in step.parts],
+                                step.base_sha256, step.sha256)
+                chained.append(step)
+                before = {name for name, *_ in layout}
+            writer = TensorWriter(fd, steps[-1][1])
+            hashes = apply_chain(old, chained, writer)
             writer.close()
-    except DeltaError as exc:
+    except DeltaError as exc:  # a StepError names the step to blame; the base files' own faults, the first
+        info = run[exc.step if isinstance(exc, StepError) else 0]
         raise WeightsError(f"version {info.version} ({info.store_key}): {exc}") from exc
+    for info, got in zip(run, hashes, strict=True):
+        if got != info.sha256:
+            raise WeightsError(f"version {info.version} ({info.store_key}): rebuilt {got[:12]}, not its recorded hash")

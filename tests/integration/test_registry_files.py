@@ -19,6 +19,7 @@ import safetensors.torch
 import torch
 
 from flywheel.db.session import make_engine, make_session_factory, upgrade
+from flywheel.weights import files
 from flywheel.weights.codec.state import encode_full, state_sha256
 from flywheel.weights.files import files_digest, rebuild_file
 from flywheel.weights.registry import Registry, WeightsError
@@ -132,6 +133,50 @@ def test_a_damaged_object_a_foreign_base_or_a_lost_shard_leaves_the_output_alone
     store.put(anchor, whole)
     store.put(shard.key, blob)
     assert rebuild_file(registry, 2, out, base=(0, [v0])) == state_sha256(states[2]) and same(out, states[2])
+
+
+def test_a_node_versions_behind_rebuilds_the_chain_in_one_pass(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Five deltas behind (one of them sharded, one adding a tensor and one dropping one), a node
+    writes one file, not one per version; cut into passes of one version each it writes five and
+    gets the same bytes; a bit flipped in the fourth delta, or a foreign base, is blamed on the
+    version it belongs to, and nothing is written."""
+    registry = registry_at(tmp_path, full_every=50)
+    states = chain(8, 6)
+    states[3] = {**states[3], "head": torch.full((16, 8), 0.5).bfloat16()}  # v3 adds a tensor
+    states[4] = {n: t for n, t in step(states[3], 40).items() if n != "layer.0.w"}  # v4 drops one
+    states[5] = step(states[4], 50)
+    registry.publish(states[0], parent=None)
+    registry.publish_manifest(shard_manifest(registry.store, states[1], states[0], token="s"), parent=0)
+    for v in range(2, 6):
+        assert registry.publish(states[v], parent=v - 1, parent_state=states[v - 1]).kind == "delta"
+    base = file_of(tmp_path, "v0.safetensors", states[0])
+    writers: list[int] = []
+
+    class Counted(files.TensorWriter):
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            writers.append(1)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(files, "TensorWriter", Counted)
+    out, apart = tmp_path / "v5.safetensors", tmp_path / "v5-apart.safetensors"
+    assert rebuild_file(registry, 5, out, base=(0, [base])) == state_sha256(states[5]) and same(out, states[5])
+    assert len(writers) == 1
+    monkeypatch.setattr(files, "PASS_BYTES", 1)
+    assert rebuild_file(registry, 5, apart, base=(0, [base])) == state_sha256(states[5])
+    assert len(writers) == 6 and apart.read_bytes() == out.read_bytes()
+    monkeypatch.setattr(files, "PASS_BYTES", 1 << 30)
+
+    key = registry.get(4).store_key
+    good = registry.store.get(key)
+    registry.store.put(key, good[:-9] + bytes([good[-9] ^ 0x10]) + good[-8:])
+    for target in (out, apart):
+        with pytest.raises(WeightsError, match="^version 4 "):
+            rebuild_file(registry, 5, target, base=(0, [base]))
+        monkeypatch.setattr(files, "PASS_BYTES", 1)
+    registry.store.put(key, good)
+    with pytest.raises(WeightsError, match="^version 1 .*different parent"):
+        rebuild_file(registry, 5, out, base=(0, [file_of(tmp_path, "foreign.safetensors", states[2])]))
+    assert same(out, states[5]) and [p.name for p in tmp_path.iterdir() if p.name.startswith(".rebuild")] == []
 
 
 _MEASURE = """

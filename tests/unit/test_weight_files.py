@@ -17,7 +17,7 @@ import torch
 
 from flywheel.weights.codec.delta import encode_delta
 from flywheel.weights.codec.state import DeltaError, state_sha256
-from flywheel.weights.codec.streaming import apply_files, diff_files
+from flywheel.weights.codec.streaming import Step, StepError, apply_chain, apply_files, delta_layout, diff_files
 from flywheel.weights.codec.tensorfile import TensorReader, TensorWriter
 from tests.unit.test_codec import assert_same, perturb, random_state
 
@@ -85,6 +85,47 @@ def test_apply_refuses_the_wrong_base_and_a_corrupt_delta(rng: random.Random, tm
                 continue
         assert sha == state_sha256(new) and state_sha256(load(tmp_path / "out")) == sha  # a flip that changes nothing
     assert failures > 30
+
+
+def test_a_chain_applies_in_one_pass_as_its_deltas_do_one_by_one(rng: random.Random, tmp_path: Path) -> None:
+    """Three deltas (tensors added, dropped, reshaped on the way) applied in one pass write the file
+    the three applied one by one write; a damaged middle delta is blamed on its step, a wrong base
+    on the first."""
+    states = list(pair(rng))
+    states.append(perturb(rng, states[-1], 0.02))
+    states.append({n: t for n, t in perturb(rng, states[-1], 0.02).items() if n != "steps"})
+    files = [save(tmp_path / f"s{i}.safetensors", s) for i, s in enumerate(states)]
+    deltas = [diff_files(a, b)[0] for a, b in zip(files, files[1:])]
+
+    def chained(base: Path, chain: list[bytes], out: Path) -> list[str]:
+        with open(out, "wb") as fh, TensorReader(base) as old:
+            writer = TensorWriter(fh.fileno(), delta_layout(chain[-1]))
+            hashes = apply_chain(old, [Step([(d, None)]) for d in chain], writer)
+            writer.close()
+        return hashes
+
+    hashes = chained(files[0], deltas, tmp_path / "chained")
+    assert hashes == [state_sha256(s) for s in states[1:]]
+    step_by_step = files[0]
+    for i, delta in enumerate(deltas):
+        with open(tmp_path / f"one{i}", "wb") as fh:
+            apply_files(step_by_step, delta, fh.fileno())
+        step_by_step = tmp_path / f"one{i}"
+    assert (tmp_path / "chained").read_bytes() == step_by_step.read_bytes()
+    assert_same(load(tmp_path / "chained"), states[-1])
+
+    with pytest.raises(StepError, match="different parent") as wrong:
+        chained(files[1], deltas, tmp_path / "out")
+    assert wrong.value.step == 0
+    blamed = set()
+    for i in range(20):
+        damaged = bytearray(deltas[1])
+        damaged[len(damaged) // 2 + i * 11 % (len(damaged) // 2)] ^= 1 << (i % 8)
+        try:
+            chained(files[0], [deltas[0], bytes(damaged), deltas[2]], tmp_path / "out")
+        except StepError as exc:
+            blamed.add(exc.step)
+    assert blamed == {1}
 
 
 def test_bad_files_are_refused_with_a_delta_error(tmp_path: Path) -> None:

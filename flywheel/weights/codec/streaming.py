@@ -2,17 +2,20 @@
 
 :func:`diff_files` is :func:`.delta.encode_delta` on two files and gives the same bytes (tensors in
 name order, as :func:`.state.decode_full` returns them); :func:`apply_files` is
-:func:`.delta.apply_delta` from a file into a file; :func:`apply_into` is its core, from any
-reader (several files, a subset of their tensors: a shard's base) into any writer (several
-deltas into one file: a sharded version). None ever holds a state: each tensor is read
+:func:`.delta.apply_delta` from a file into a file; :func:`apply_chain` is their core: a chain of
+deltas (each version's one delta, or its shards, each on a subset of the state before it) from any
+reader (several files) into any writer, every tensor taken through the whole chain on one thread
+before it is written, so the versions between are never written; :func:`apply_into` is a chain of
+one delta. None ever holds a state: each tensor is read
 (:mod:`.tensorfile`), hashed, coded and dropped on the codec's thread pool, so peak memory is the
 interpreter plus a few of the largest tensors per thread plus the delta itself, whatever the
 model's size. Both hashes are computed in the same pass (the state hash is two-level, a digest per
 tensor, see :func:`.state.combine_digests`), so every byte of both files is read once.
 
-Invariant, as for :func:`.delta.apply_delta`: :func:`apply_files` and :func:`apply_into` return
-normally only when what they wrote rebuilds the delta's target hash from a base with the delta's
-base hash; otherwise they raise :class:`.state.DeltaError` and the caller discards the file.
+Invariant, as for :func:`.delta.apply_delta`: :func:`apply_files`, :func:`apply_into` and
+:func:`apply_chain` return normally only when what they wrote rebuilds every delta's target hash
+from a base with the delta's base hash; otherwise they raise :class:`.state.DeltaError` (from
+:func:`apply_chain`, a :class:`StepError` naming the step) and the caller discards the file.
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -115,66 +119,171 @@ def _delta_jobs(delta: bytes | memoryview) -> tuple[Any, list[_Job]]:
     return header, jobs
 
 
-def apply_into(old: Any, delta: bytes | memoryview, writer: Any, *, base_names: Iterable[str] | None = None,
-               base_sha256: str | None = None) -> str:
-    """Decode the delta's tensors on the base in ``old`` (a :class:`.tensorfile.TensorReader` or
-    :class:`.tensorfile.TensorFiles`; ``base_names``: the base is these of its tensors, default all)
-    and write each into ``writer``, whose layout must hold them with their dtypes and shapes.
-    ``base_sha256``: the base's hash when the caller has verified it (it is then not hashed again).
-    Returns the target's hash, verified; raises :class:`DeltaError` when the base is not the
-    delta's or the delta is corrupt (the caller discards what was written)."""
+@dataclass(frozen=True)
+class Step:
+    """One version's change for :func:`apply_chain`: its delta containers (one delta, or a sharded
+    version's shards), each with the names of the state before the step that are its base (``None``:
+    all of them); and the whole state's hashes before and after the step where the caller knows them
+    (a sharded version's manifest; a lone delta's header says them itself)."""
+
+    parts: Sequence[tuple[bytes | memoryview, Iterable[str] | None]]
+    base_sha256: str | None = None
+    sha256: str | None = None
+
+
+class StepError(DeltaError):
+    """An :func:`apply_chain` failure, and the index of the step it blames."""
+
+    def __init__(self, step: int, message: str) -> None:
+        super().__init__(message)
+        self.step = step
+
+
+@dataclass
+class _Parsed:
+    """A :class:`Step` read: per part its header and base names; the target's jobs by name, with
+    the index of the part that holds each."""
+
+    headers: list[Any]
+    bases: list[set[str]]
+    jobs: dict[str, tuple[_Job, int]]
+
+
+def _parse(index: int, step: Step, before: set[str]) -> _Parsed:
+    headers, bases, jobs = [], [], {}
+    try:
+        for part, (delta, base_names) in enumerate(step.parts):
+            header, part_jobs = _delta_jobs(delta)
+            base = set(before) if base_names is None else set(base_names)
+            if missing := sorted(base - before):
+                raise DeltaError(f"the base lacks tensor {missing[0]!r}")
+            for job in part_jobs:
+                if job[2][0] in jobs:
+                    raise DeltaError(f"tensor {job[2][0]!r} is in two parts of one step")
+                jobs[job[2][0]] = (job, part)
+            headers.append(header)
+            bases.append(base)
+    except DeltaError as exc:
+        raise StepError(index, str(exc)) from exc
+    return _Parsed(headers, bases, jobs)
+
+
+def _decode(job: _Job, prior: torch.Tensor | None, slot: int) -> torch.Tensor:
+    """One tensor of a delta decoded on ``prior`` into this thread's buffer ``slot``; a failure of
+    any kind is a :class:`DeltaError`."""
     # The compiled side (numba and the kernels), imported on first use.
     from flywheel.weights.codec.tensor_coding import decode_tensor
 
-    header, jobs = _delta_jobs(delta)
-    base = set(old.index) if base_names is None else set(base_names)
-    if missing := sorted(base - set(old.index)):
-        raise DeltaError(f"the base lacks tensor {missing[0]!r}")
-    for _, _, (name, dtype, shape) in jobs:
-        if writer.layout.get(name) != (dtype, shape):
-            raise DeltaError(f"tensor {name!r} is not laid out as {dtype_name(dtype)} {list(shape)} in the output")
-
-    if base_sha256 is not None and base_sha256 != header.base_sha256:
-        raise DeltaError(f"delta is for a different parent (base {header.base_sha256[:12]}, given {base_sha256[:12]})")
-
-    def decode(job: _Job) -> tuple[Digest, Digest | None]:
-        entry, blob, (name, dtype, shape) = job
-        with old.view(name) if name in base else _none() as prior:
-            base_digest = _digest(name, prior) if prior is not None and base_sha256 is None else None
-            try:
-                target = decode_tensor((entry, blob, prior), scratch(math.prod(shape) * dtype.itemsize))
-            except DeltaError:
-                raise
-            except (RuntimeError, ValueError, TypeError, OverflowError, IndexError) as exc:
-                raise DeltaError(f"corrupt delta: {type(exc).__name__}: {exc}") from exc
-            writer.write(name, target)
-            if entry["scheme"] == "same" and base_digest is not None:  # the same bits: the same digest
-                return base_digest, base_digest
-            return _digest(name, target), base_digest
-
-    failure: DeltaError | None = None
+    entry, blob, (_, dtype, shape) = job
     try:
-        results = map_tensors(decode, jobs, [math.prod(shape) for *_, (_, _, shape) in jobs])
-    except DeltaError as exc:  # reported below, unless the base was the wrong one
-        failure, results = exc, []
+        return decode_tensor((entry, blob, prior), scratch(math.prod(shape) * dtype.itemsize, slot))
+    except DeltaError:
+        raise
+    except (RuntimeError, ValueError, TypeError, OverflowError, IndexError) as exc:
+        raise DeltaError(f"corrupt delta: {type(exc).__name__}: {exc}") from exc
+
+
+def apply_chain(old: Any, steps: Sequence[Step], writer: Any, *, base_sha256: str | None = None) -> list[str]:
+    """Decode ``steps`` one after the other on the base in ``old`` (a :class:`.tensorfile.TensorReader`
+    or :class:`.tensorfile.TensorFiles`) and write the last step's tensors into ``writer``, whose
+    layout must hold them with their dtypes and shapes. Each tensor goes through the whole chain on
+    one thread, between two reused buffers, so the intermediate states are never written or held:
+    memory is a few tensors per thread and the deltas, whatever the chain's length.
+    ``base_sha256``: the base's hash when the caller has verified it (it is then not hashed again;
+    the first step's parts must then take the whole base).
+
+    Every step is checked as if applied alone: its base's hash (each part's, and the whole's where
+    known), then its decoding, then its target's hashes. Returns each step's state hash, verified;
+    raises :class:`StepError` for the first step that fails (a wrong base is blamed on the step
+    whose base it is, before a corrupt delta), and the caller discards what was written."""
+    if not steps:
+        raise ValueError("apply_chain needs at least one step")
+    levels = [set(old.index)]
+    parsed: list[_Parsed] = []
+    for i, step in enumerate(steps):
+        parsed.append(_parse(i, step, levels[-1]))
+        levels.append(set(parsed[-1].jobs))
+    for name, ((_, _, (_, dtype, shape)), _) in parsed[-1].jobs.items():
+        if writer.layout.get(name) != (dtype, shape):
+            raise StepError(len(steps) - 1,
+                            f"tensor {name!r} is not laid out as {dtype_name(dtype)} {list(shape)} in the output")
+    whole_base = steps[0].base_sha256 is not None or any(b is None for _, b in steps[0].parts)
     if base_sha256 is not None:
-        base_hash = base_sha256
-    elif failure is not None:  # hash the whole base to tell "wrong base" from "corrupt delta"
-        base_hash = combine_digests(_hash_all(old, sorted(base)))
-    else:
-        base_digests = [b for _, b in results if b is not None]
-        base_digests += _hash_all(old, sorted(base - {layout[0] for *_, layout in jobs}))
-        base_hash = combine_digests(base_digests)
-    if base_hash != header.base_sha256:
-        raise DeltaError(f"delta is for a different parent (base {header.base_sha256[:12]}, given {base_hash[:12]})")
-    if failure is not None:
-        raise failure
-    got = combine_digests(t for t, _ in results)
-    if got != header.target_sha256:
-        raise DeltaError(
-            f"reconstructed state hash {got[:12]} does not match the delta's target {header.target_sha256[:12]}"
-        )
-    return got
+        if not all(b is None for _, b in steps[0].parts):
+            raise ValueError("a verified base_sha256 needs a first step whose parts take the whole base")
+        for want in [h.base_sha256 for h in parsed[0].headers] + [steps[0].base_sha256 or base_sha256]:
+            if want != base_sha256:
+                raise StepError(0, f"delta is for a different parent (base {want[:12]}, given {base_sha256[:12]})")
+    first = levels[0] if whole_base else set().union(*parsed[0].bases)
+    names = sorted(first | set().union(*levels[1:]))
+
+    def lineage(name: str) -> tuple[list[Digest | None], tuple[int, DeltaError] | None]:
+        digests: list[Digest | None] = [None] * (len(steps) + 1)
+        with old.view(name) if name in first else _none() as current:
+            if current is not None and base_sha256 is None:
+                digests[0] = _digest(name, current)
+            for i, step in enumerate(parsed):
+                found = step.jobs.get(name)
+                if found is None:
+                    current = None
+                    continue
+                job, part = found
+                prior = current if name in step.bases[part] else None
+                try:
+                    current = _decode(job, prior, i % 2)
+                except DeltaError as exc:
+                    return digests, (i, exc)
+                same = job[0]["scheme"] == "same" and prior is not None and digests[i] is not None
+                digests[i + 1] = digests[i] if same else _digest(name, current)
+            if current is not None:
+                writer.write(name, current)
+        return digests, None
+
+    results = dict(zip(names, map_tensors(lineage, names, [_numel(old, parsed, n) for n in names]), strict=True))
+    failures: dict[int, DeltaError] = {}
+    for _, failure in results.values():
+        if failure is not None:
+            failures.setdefault(*failure)
+    hashes = []
+    for i, (step, read) in enumerate(zip(steps, parsed, strict=True)):
+        level = [d for d in (results[n][0][i] for n in sorted(levels[i])) if d is not None]
+        if i > 0 or base_sha256 is None:
+            bases = [(h.base_sha256, [results[n][0][i] for n in sorted(b)]) for h, b in zip(read.headers, read.bases,
+                                                                                              strict=True)]
+            if step.base_sha256 is not None:
+                bases.append((step.base_sha256, level))
+            for want, digests in bases:
+                got = combine_digests(d for d in digests if d is not None)
+                if got != want:
+                    raise StepError(i, f"delta is for a different parent (base {want[:12]}, given {got[:12]})")
+        if i in failures:
+            raise StepError(i, str(failures[i])) from failures[i]
+        after = {n: results[n][0][i + 1] for n in read.jobs}
+        targets = [(h.target_sha256, [after[n] for n, (_, part) in read.jobs.items() if part == p])
+                   for p, h in enumerate(read.headers)]
+        hashes.append(combine_digests(after.values()))
+        if step.sha256 is not None:
+            targets.append((step.sha256, list(after.values())))
+        for want, digests in targets:
+            got = combine_digests(digests)
+            if got != want:
+                raise StepError(i, f"reconstructed state hash {got[:12]} does not match the delta's target {want[:12]}")
+    return hashes
+
+
+def _numel(old: Any, parsed: list[_Parsed], name: str) -> int:
+    """A tensor's elements, for the thread pool's order: the base's, else the first step's that makes it."""
+    if name in old.index:
+        return old.index[name].numel
+    return next(math.prod(p.jobs[name][0][2][2]) for p in parsed if name in p.jobs)
+
+
+def apply_into(old: Any, delta: bytes | memoryview, writer: Any, *, base_names: Iterable[str] | None = None,
+               base_sha256: str | None = None) -> str:
+    """One delta (:func:`apply_chain` of one step) decoded on the base in ``old`` (``base_names``:
+    the base is these of its tensors, default all) into ``writer``; returns the target's hash,
+    verified, or raises :class:`DeltaError` (the base is not the delta's, the delta is corrupt)."""
+    return apply_chain(old, [Step([(delta, base_names)])], writer, base_sha256=base_sha256)[0]
 
 
 def apply_files(old_path: str | os.PathLike[str], delta: bytes | memoryview, out_fd: int) -> str:

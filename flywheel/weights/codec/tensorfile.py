@@ -61,19 +61,18 @@ class TensorInfo:
         return math.prod(self.shape)
 
 
-def scratch(nbytes: int) -> np.ndarray:
-    """This thread's reusable buffer, ``nbytes`` long (grown, never shrunk): where a decoder builds
-    a tensor before it is written out."""
-    buf = getattr(_LOCAL, "scratch", None)
+def scratch(nbytes: int, slot: int = 0) -> np.ndarray:
+    """This thread's reusable buffer number ``slot`` (0 or 1), ``nbytes`` long (grown, never shrunk):
+    where a decoder builds a tensor before it is written out; two let a chain of deltas decode a
+    tensor from the previous step's result into the other."""
+    buffers = getattr(_LOCAL, "scratch", None)
+    if buffers is None:
+        buffers = _LOCAL.scratch = [None, None]
+    buf = buffers[slot]
     if buf is None or buf.size < nbytes:
-        _LOCAL.scratch = None  # free the old one before taking the new
-        buf = _LOCAL.scratch = np.empty(nbytes, dtype=np.uint8)
+        buffers[slot] = None  # free the old one before taking the new
+        buf = buffers[slot] = np.empty(nbytes, dtype=np.uint8)
     return buf[:nbytes]
-
-
-def release_scratch() -> None:
-    """Free this thread's buffer (a long-lived process after a big job)."""
-    _LOCAL.scratch = None
 
 
 class TensorReader:
