@@ -73,10 +73,10 @@ def _read_state(path: Path) -> dict[str, Any]:
 
 @contextlib.contextmanager
 def _atomic_output(path: Path) -> Iterator[int]:
-    """A file descriptor to write ``path`` through: the file appears whole when the block ends, or
-    not at all when it raises. The temp file beside it has a random name and is created exclusively
-    (``mkstemp``): a predictable name could be a symlink someone planted in a shared folder, and
-    writing through it would overwrite whatever it points at."""
+    """A file descriptor to write ``path`` through: the file appears whole (fsynced, then renamed
+    into place) when the block ends, or not at all when it raises. The temp file beside it has a
+    random name and is created exclusively (``mkstemp``): a predictable name could be a symlink
+    someone planted in a shared folder, and writing through it would overwrite whatever it points at."""
     import os
     import tempfile
 
@@ -86,6 +86,7 @@ def _atomic_output(path: Path) -> Iterator[int]:
         os.umask(umask)
         os.fchmod(fd, 0o666 & ~umask)
         yield fd
+        os.fsync(fd)  # the data on disk before the name points at it: a crash leaves the old file or the new
         os.close(fd)
         fd = -1
         os.replace(tmp, path)

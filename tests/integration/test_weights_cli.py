@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import random
 from pathlib import Path
 
@@ -48,6 +49,37 @@ def test_diff_apply_and_stats_on_files(tmp_path: Path, capsys: pytest.CaptureFix
     assert main(["weights", "apply", str(tmp_path / "new.safetensors"), str(tmp_path / "d.delta"),
                  "-o", str(tmp_path / "wrong.safetensors")]) == 1
     assert not (tmp_path / "wrong.safetensors").exists()
+
+
+def test_diff_and_apply_sync_their_output_before_it_takes_the_name(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A crash right after the rename must not leave a short file under the output's name: the
+    temp file is fsynced before it is renamed into place."""
+    rng = random.Random(2)
+    old = make_state(rng)
+    write_file(tmp_path / "old.safetensors", old)
+    write_file(tmp_path / "new.safetensors", train_step(rng, old))
+    events: list[tuple[str, str]] = []
+    fsync, replace = os.fsync, os.replace
+
+    def synced(fd: int) -> None:
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        fsync(fd)
+
+    def renamed(src: str, dst: str) -> None:
+        events.append(("replace", str(src)))
+        replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", synced)
+    monkeypatch.setattr(os, "replace", renamed)
+    assert main(["weights", "diff", str(tmp_path / "old.safetensors"), str(tmp_path / "new.safetensors"),
+                 "-o", str(tmp_path / "d.delta")]) == 0
+    assert main(["weights", "apply", str(tmp_path / "old.safetensors"), str(tmp_path / "d.delta"),
+                 "-o", str(tmp_path / "out.safetensors")]) == 0
+    renames = [src for kind, src in events if kind == "replace"]
+    assert len(renames) == 2
+    for src in renames:
+        assert events.index(("fsync", src)) < events.index(("replace", src)), events
 
 
 def test_diff_and_stats_on_a_device(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
