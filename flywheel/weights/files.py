@@ -227,16 +227,8 @@ def _chain_into(registry: Registry, run: list[VersionInfo], parent: VersionInfo,
         prior = info
     try:
         with TensorFiles(list(source)) as old:
-            # A shard's base is those of its tensors that the state before it has (one it adds has none).
-            before, chained = set(old.index), []
-            for step, layout in steps:
-                if step.base_sha256 is not None:
-                    step = Step([(blob, [n for n in names if n in before]) for blob, names in step.parts],
-                                step.base_sha256, step.sha256)
-                chained.append(step)
-                before = {name for name, *_ in layout}
             writer = TensorWriter(fd, steps[-1][1])
-            hashes = apply_chain(old, chained, writer)
+            hashes = apply_chain(old, [step for step, _ in steps], writer)
             writer.close()
     except DeltaError as exc:  # a StepError names the step to blame; the base files' own faults, the first
         info = run[exc.step if isinstance(exc, StepError) else 0]

@@ -122,9 +122,10 @@ def _delta_jobs(delta: bytes | memoryview) -> tuple[Any, list[_Job]]:
 @dataclass(frozen=True)
 class Step:
     """One version's change for :func:`apply_chain`: its delta containers (one delta, or a sharded
-    version's shards), each with the names of the state before the step that are its base (``None``:
-    all of them); and the whole state's hashes before and after the step where the caller knows them
-    (a sharded version's manifest; a lone delta's header says them itself)."""
+    version's shards), each with the names that are its base, those of them the state before the
+    step has (``None``: all of that state; a shard names its own tensors, and one it adds has no
+    base); and the whole state's hashes before and after the step where the caller knows them (a
+    sharded version's manifest; a lone delta's header says them itself)."""
 
     parts: Sequence[tuple[bytes | memoryview, Iterable[str] | None]]
     base_sha256: str | None = None
@@ -154,9 +155,7 @@ def _parse(index: int, step: Step, before: set[str]) -> _Parsed:
     try:
         for part, (delta, base_names) in enumerate(step.parts):
             header, part_jobs = _delta_jobs(delta)
-            base = set(before) if base_names is None else set(base_names)
-            if missing := sorted(base - before):
-                raise DeltaError(f"the base lacks tensor {missing[0]!r}")
+            base = set(before) if base_names is None else before & set(base_names)
             for job in part_jobs:
                 if job[2][0] in jobs:
                     raise DeltaError(f"tensor {job[2][0]!r} is in two parts of one step")
@@ -259,13 +258,10 @@ def apply_chain(old: Any, steps: Sequence[Step], writer: Any, *, base_sha256: st
         if i in failures:
             raise StepError(i, str(failures[i])) from failures[i]
         after = {n: results[n][0][i + 1] for n in read.jobs}
-        targets = [(h.target_sha256, [after[n] for n, (_, part) in read.jobs.items() if part == p])
-                   for p, h in enumerate(read.headers)]
         hashes.append(combine_digests(after.values()))
-        if step.sha256 is not None:
-            targets.append((step.sha256, list(after.values())))
-        for want, digests in targets:
-            got = combine_digests(digests)
+        targets = [(h.target_sha256, combine_digests(after[n] for n, (_, part) in read.jobs.items() if part == p)
+                    if len(read.headers) > 1 else hashes[-1]) for p, h in enumerate(read.headers)]
+        for want, got in targets + ([(step.sha256, hashes[-1])] if step.sha256 is not None else []):
             if got != want:
                 raise StepError(i, f"reconstructed state hash {got[:12]} does not match the delta's target {want[:12]}")
     return hashes
@@ -278,12 +274,11 @@ def _numel(old: Any, parsed: list[_Parsed], name: str) -> int:
     return next(math.prod(p.jobs[name][0][2][2]) for p in parsed if name in p.jobs)
 
 
-def apply_into(old: Any, delta: bytes | memoryview, writer: Any, *, base_names: Iterable[str] | None = None,
-               base_sha256: str | None = None) -> str:
-    """One delta (:func:`apply_chain` of one step) decoded on the base in ``old`` (``base_names``:
-    the base is these of its tensors, default all) into ``writer``; returns the target's hash,
-    verified, or raises :class:`DeltaError` (the base is not the delta's, the delta is corrupt)."""
-    return apply_chain(old, [Step([(delta, base_names)])], writer, base_sha256=base_sha256)[0]
+def apply_into(old: Any, delta: bytes | memoryview, writer: Any, *, base_sha256: str | None = None) -> str:
+    """One delta (:func:`apply_chain` of one step) decoded on the base in ``old`` into ``writer``;
+    returns the target's hash, verified, or raises :class:`DeltaError` (the base is not the
+    delta's, the delta is corrupt)."""
+    return apply_chain(old, [Step([(delta, None)])], writer, base_sha256=base_sha256)[0]
 
 
 def apply_files(old_path: str | os.PathLike[str], delta: bytes | memoryview, out_fd: int) -> str:
