@@ -56,6 +56,10 @@ SIZES = {
                "num_attention_heads": 12},
     "small": {"vocab_size": 32000, "hidden_size": 768, "intermediate_size": 2048, "num_hidden_layers": 8,
               "num_attention_heads": 12},
+    # Many small tensors: a shard dwarfs its largest tensor, so what a publish holds per tensor
+    # and what it holds per shard separate (the tests' size).
+    "deep": {"vocab_size": 512, "hidden_size": 512, "intermediate_size": 1408, "num_hidden_layers": 24,
+             "num_attention_heads": 8},
     "tiny": {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
              "num_attention_heads": 4},
 }
@@ -122,7 +126,7 @@ def worker(args: argparse.Namespace) -> None:
     from flywheel.weights.registry import Registry, WeightsError
     from flywheel.weights.store import FolderStore
     from trainer import checkpoint
-    from trainer.distributed import Dist
+    from trainer.distributed import Dist, unwrap
     from trainer.shard_publish import ShardedPublisher
 
     root = Path(args.root)
@@ -143,7 +147,8 @@ def worker(args: argparse.Namespace) -> None:
     optimizer.step()  # allocates the moments (lr 0: no change)
     optimizer.zero_grad(set_to_none=True)
 
-    sharded = ShardedPublisher(dist, model, store, "bench", registry) if args.mode.startswith("sharded") else None
+    sharded = (ShardedPublisher(dist, model, store, "bench", registry, workdir=root / "publish-shards")
+               if args.mode.startswith("sharded") else None)
     published: dict[str, torch.Tensor] | None = None
 
     def gather_publish(parent: int | None) -> Any:
@@ -182,6 +187,9 @@ def worker(args: argparse.Namespace) -> None:
         "mode": args.mode, "rank": dist.rank, "world_size": dist.world_size, "params": params,
         "version": info.version, "kind": info.kind, "sha256": info.sha256, "bytes": info.bytes,
         "publish_s": time.perf_counter() - started, "rss_before_mb": before, "peak_mb": rss_mb("VmHWM")}
+    if sharded is not None:  # this rank's share of the bf16 export
+        result["shard_mb"] = sum(p.numel() * 2 for n, p in unwrap(model).named_parameters()
+                                 if sharded.owner[n] == dist.rank) / 2**20
     if args.check:  # the same weights gathered and hashed whole: what the unsharded path publishes
         master = dist.full_state_dict(model)
         if dist.is_main:

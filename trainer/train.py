@@ -211,7 +211,8 @@ def _train(settings: Settings, stop: threading.Event, dist: Dist) -> None:
         scheduler.load_state_dict(start["scheduler"])
     shards = None
     if sharded:
-        shards = ShardedPublisher(dist, model, make_store(settings), settings.model.line, registry)
+        shards = ShardedPublisher(dist, model, make_store(settings), settings.model.line, registry,
+                                  workdir=ckpt_dir / "publish-shards")  # on disk, beside the checkpoints
         shards.start(model)  # this rank's shard of the weights held now: the next delta's base
         adopted = _adopt_sharded(dist, shards, model, registry, resumed) if start["resumed"] else None
         published = None  # each rank holds its own shard of the parent instead

@@ -2,8 +2,9 @@
 
 Under torchrun no process holds a whole state to publish: each rank owns a set of whole tensors
 (:func:`owners`, balanced by bytes, the same on every rank), exports their bf16 values, codes them
-as a delta against its own shard of the parent version, or as an anchor (:func:`encode_shard`),
-uploads that object and reads it back (:func:`rebuild_shard`). Rank 0 gathers only the shards'
+as a delta against its own shard of the parent version, or as an anchor (:func:`encode_shard`,
+tensor by tensor from a file), uploads that object and reads it back (:func:`check_shard`, keeping
+nothing). Rank 0 gathers only the shards'
 :class:`ShardMeta` (keys, sizes, hashes; no tensor) and stores the version as a manifest
 (:func:`manifest_bytes`), the object its registry row points at (a key ending in ``.manifest``).
 
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
@@ -36,10 +38,12 @@ from typing import Any
 
 import torch
 
-from flywheel.weights.codec.anchor import encode_anchor, read_full
-from flywheel.weights.codec.bitview import dtype_name
-from flywheel.weights.codec.delta import apply_delta, encode_delta_with_summary
-from flywheel.weights.codec.state import DeltaError, State, combine_digests, state_sha256, tensor_digests
+from flywheel.weights.codec.anchor import anchor_reader, encode_anchor_from, read_full
+from flywheel.weights.codec.container import read_delta_header
+from flywheel.weights.codec.delta import apply_delta
+from flywheel.weights.codec.state import DeltaError, State, combine_digests
+from flywheel.weights.codec.streaming import apply_into, delta_layout, diff_readers
+from flywheel.weights.codec.tensorfile import Discard
 from flywheel.weights.store import Store, StoreError
 
 FORMAT = "flywheel-shards-v1"
@@ -60,12 +64,6 @@ def owners(sizes: Mapping[str, int], world_size: int) -> dict[str, int]:
         rank = min(range(world_size), key=lambda r: (load[r], r))
         out[name], load[rank] = rank, load[rank] + sizes[name]
     return out
-
-
-def entries_of(state: Mapping[str, torch.Tensor], digests: Mapping[str, bytes]) -> list[Entry]:
-    """The state's :func:`~.codec.state.combine_digests` entries, in name order."""
-    return [(n, dtype_name(t.dtype), tuple(t.shape), t.numel() * t.element_size(), digests[n])
-            for n, t in sorted(state.items())]
 
 
 @dataclass(frozen=True)
@@ -117,23 +115,39 @@ def shard_key(model_line: str, token: str, rank: int, world_size: int, kind: str
     return f"{model_line}/s-{token}-r{rank:04d}-of-{world_size:04d}.{kind}"
 
 
-def encode_shard(tensors: State, base: State | None, *, rank: int, key: str) -> tuple[bytes, ShardMeta]:
+def encode_shard(tensors: Any, base: Any | None, *, rank: int, key: str) -> tuple[bytes, ShardMeta]:
     """This rank's shard object: an anchor of ``tensors``, or (``base``: the same rank's shard of
-    the parent) a delta on it; and its :class:`ShardMeta`."""
-    digests = tensor_digests(tensors)
-    sha = state_sha256(tensors, digests)
-    elements = sum(t.numel() for t in tensors.values())
-    base_sha = None
+    the parent) a delta on it; and its :class:`ShardMeta`. Both are readers (``index``, ``view``:
+    a :class:`~.codec.tensorfile.TensorReader` over a file, or a state in memory through
+    :class:`~.codec.tensorfile.StateReader`), read tensor by tensor: only the object is held."""
     if base is None:
-        blob, kind, changed = encode_anchor(tensors, digests), "full", elements
+        blob, listed = encode_anchor_from(tensors)
+        kind, base_sha, changed = "full", None, None
     else:
-        base_sha = state_sha256(base)
-        blob, summary = encode_delta_with_summary(base, tensors, old_sha256=base_sha, new_sha256=sha)
-        kind, changed = "delta", summary.changed
-    listed = [[n, d, list(s), b, h.hex()] for n, d, s, b, h in entries_of(tensors, digests)]
+        blob, summary = diff_readers(base, tensors)
+        kind, base_sha, changed, listed = "delta", read_delta_header(blob)[0].base_sha256, summary["changed"], summary["digests"]
+    elements = sum(math.prod(shape) for _, _, shape, _, _ in listed)
     meta = ShardMeta(rank=rank, key=key, kind=kind, bytes=len(blob), object_sha256=hashlib.sha256(blob).hexdigest(),
-                     sha256=sha, base_sha256=base_sha, tensors=listed, changed=changed, elements=elements)
+                     sha256=combine_digests(listed), base_sha256=base_sha,
+                     tensors=[[n, d, list(s), b, h.hex()] for n, d, s, b, h in listed],
+                     changed=elements if changed is None else changed, elements=elements)
     return blob, meta
+
+
+def check_shard(store: Store, meta: ShardMeta, base: Any | None) -> None:
+    """Read an uploaded shard back as :func:`rebuild_shard` does (``base``: a reader of the parent's
+    shard, for a delta), each tensor decoded, hashed and dropped, so nothing the size of the shard
+    is held; :class:`DeltaError` if it is missing, corrupt or does not rebuild ``meta``'s hash."""
+    blob = fetch_shard(store, meta)
+    if meta.kind == "full":
+        reader = anchor_reader(blob)
+        got = reader.decode_into(Discard(reader.layout))
+    elif base is None:
+        raise DeltaError(f"shard {meta.rank} is a delta and no base was given")
+    else:
+        got = apply_into(base, blob, Discard(delta_layout(blob)), base_sha256=meta.base_sha256)
+    if got != meta.sha256:
+        raise DeltaError(f"shard {meta.rank} ({meta.key}) rebuilds to {got[:12]}, expected {meta.sha256[:12]}")
 
 
 def fetch_shard(store: Store, meta: ShardMeta) -> bytes:

@@ -48,6 +48,7 @@ from flywheel.weights.codec.bitview import UINT, dtype_name, element_bits, le_by
 from flywheel.weights.codec.planes import coding_of, cut_streams, escape_count, exponent_base, join_streams, stream_count
 from flywheel.weights.codec.state import DeltaError, State, combine_digests, decode_full, state_sha256
 from flywheel.weights.codec.streams import decompress
+from flywheel.weights.codec.tensorfile import StateReader
 from flywheel.weights.codec.workers import map_tensors
 
 MAGIC = b"FWANCHOR"
@@ -65,6 +66,8 @@ _PROBE_BYTES = 1 << 16
 _ZSTD_MAX_RATIO = 1 << 15
 _ZSTD_MIN_FRAME = 1 << 17
 _LOCAL = threading.local()
+#: One tensor as :func:`.state.combine_digests` takes it: name, dtype name, shape, bytes, SHA-256.
+Entry = tuple[str, str, tuple[int, ...], int, bytes]
 #: :class:`AnchorReader` reads runs of consecutive small tensors' streams (each under
 #: ``READ_ALONE`` bytes) in one range of up to ``READ_BATCH`` bytes; a bigger tensor on its own.
 READ_ALONE = 1 << 20
@@ -123,17 +126,28 @@ def encode_anchor(state: Mapping[str, torch.Tensor], digests: Mapping[str, bytes
     the state (:func:`.state.tensor_digests`), so no tensor is hashed twice; they are trusted as
     given (a wrong one makes an anchor that every read refuses). Without them each tensor is hashed
     here, from the bytes being coded."""
-    names = sorted(state)
+    return encode_anchor_from(StateReader(state), digests)[0]
+
+
+def encode_anchor_from(files: Any, digests: Mapping[str, bytes] | None = None) -> tuple[bytes, list[Entry]]:
+    """:func:`encode_anchor` of the tensors in ``files`` (a :class:`.tensorfile.TensorReader`,
+    :class:`.tensorfile.TensorFiles` or :class:`.tensorfile.StateReader`), each read, coded and
+    dropped in turn, so only the coded streams are held; and the state's per-tensor entries
+    (:func:`.state.combine_digests`'s, name order), which hash to the anchor's ``sha256``."""
+    names = sorted(files.index)
     if digests is not None and (set(digests) != set(names) or any(len(digests[n]) != 32 for n in names)):
         raise ValueError("digests must hold one 32-byte SHA-256 for every tensor of the state")
-    coded = map_tensors(lambda n: _encode_tensor(n, state[n], None if digests is None else digests[n]),
-                        names, [state[n].numel() for n in names])
-    sha = combine_digests((n, dtype_name(state[n].dtype), tuple(state[n].shape),
-                           state[n].numel() * state[n].element_size(), digest)
-                          for n, (_, _, digest) in zip(names, coded, strict=True))
-    header = {"sha256": sha, "tensors": [entry for entry, _, _ in coded]}
+
+    def one(name: str) -> tuple[dict[str, Any], list[bytes | np.ndarray], Entry]:
+        with files.view(name) as t:
+            entry, blobs, digest = _encode_tensor(name, t, None if digests is None else digests[name])  # fresh streams
+            return entry, blobs, (name, dtype_name(t.dtype), tuple(t.shape), t.numel() * t.element_size(), digest)
+
+    coded = map_tensors(one, names, [files.index[n].numel for n in names])
+    entries = [e for _, _, e in coded]
+    header = {"sha256": combine_digests(entries), "tensors": [entry for entry, _, _ in coded]}
     head = framing.frame_header(MAGIC, FORMAT_VERSION, header, HEADER_LEVEL)
-    return b"".join([head, *(b for _, blobs, _ in coded for b in blobs)])
+    return b"".join([head, *(b for _, blobs, _ in coded for b in blobs)]), entries
 
 
 # --- decode ------------------------------------------------------------------------------------

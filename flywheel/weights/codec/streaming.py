@@ -32,7 +32,7 @@ import torch
 from flywheel.weights.codec.bitview import dtype_name
 from flywheel.weights.codec.container import check_entry, pack_container, read_delta_header
 from flywheel.weights.codec.state import DeltaError, combine_digests, tensor_digest
-from flywheel.weights.codec.tensorfile import Discard, TensorInfo, TensorReader, TensorWriter, scratch
+from flywheel.weights.codec.tensorfile import Discard, StateReader, TensorReader, TensorWriter, scratch
 from flywheel.weights.codec.workers import map_tensors
 
 Digest = tuple[str, str, tuple[int, ...], int, bytes]
@@ -53,45 +53,56 @@ def _none() -> Iterator[None]:
     yield None
 
 
-def _hash_all(reader: TensorReader, names: list[str]) -> list[Digest]:
-    """The digests of ``names`` in ``reader``'s file, read and hashed on the thread pool."""
+def tensor_entries(files: Any, names: Iterable[str] | None = None) -> list[Digest]:
+    """What :func:`.state.combine_digests` takes for ``names`` (all, in name order, by default) of
+    ``files`` (a :class:`.tensorfile.TensorReader`, :class:`.tensorfile.TensorFiles` or
+    :class:`.tensorfile.StateReader`), read and hashed on the thread pool."""
+    names = sorted(files.index) if names is None else list(names)
+
     def one(name: str) -> Digest:
-        with reader.view(name) as t:
+        with files.view(name) as t:
             return _digest(name, t)
 
-    return map_tensors(one, names, [reader.index[n].numel for n in names])
+    return map_tensors(one, names, [files.index[n].numel for n in names])
 
 
 def diff_files(old_path: str | os.PathLike[str], new_path: str | os.PathLike[str], *,
                device: torch.device | None = None) -> tuple[bytes, dict[str, Any]]:
     """The delta that turns the state in ``old_path`` into the one in ``new_path`` (byte for byte
-    :func:`.delta.encode_delta` of the two states), and a summary: ``elements``, ``changed``,
-    ``bytes_full`` (the target's tensor bytes). ``device``: as :func:`.delta.encode_delta`."""
+    :func:`.delta.encode_delta` of the two states), and its summary (:func:`diff_readers`)."""
+    with TensorReader(old_path) as old, TensorReader(new_path) as new:
+        return diff_readers(old, new, device=device)
+
+
+def diff_readers(old: Any, new: Any, *, device: torch.device | None = None) -> tuple[bytes, dict[str, Any]]:
+    """:func:`diff_files` between any two readers (``index``, ``view``: files or a state in
+    memory). The summary: ``elements``, ``changed``, ``bytes_full`` (the target's tensor bytes),
+    ``digests`` (the target's :func:`tensor_entries`, computed in the same pass). ``device``: as
+    :func:`.delta.encode_delta`."""
     # The compiled side (numba and the kernels), imported on first use.
     from flywheel.weights.codec.tensor_coding import encode_tensor
 
-    with TensorReader(old_path) as old, TensorReader(new_path) as new:
-        names = sorted(new.index)
+    names = sorted(new.index)
 
-        def encode(name: str) -> tuple[dict[str, Any], list[bytes], Digest, Digest | None]:
-            with new.view(name) as target, (old.view(name) if name in old.index else _none()) as base:
-                entry, blobs = encode_tensor(name, base, target, device)
-                base_digest = _digest(name, base) if base is not None else None
-                return entry, blobs, _digest(name, target), base_digest
+    def encode(name: str) -> tuple[dict[str, Any], list[bytes], Digest, Digest | None]:
+        with new.view(name) as target, (old.view(name) if name in old.index else _none()) as base:
+            entry, blobs = encode_tensor(name, base, target, device)
+            base_digest = _digest(name, base) if base is not None else None
+            return entry, blobs, _digest(name, target), base_digest
 
-        results = map_tensors(encode, names, [new.index[n].numel for n in names])
-        only_old = sorted(set(old.index) - set(new.index))
-        old_digests = [d for *_, d in results if d is not None]
-        old_digests += _hash_all(old, only_old)
-        header = {
-            "base_sha256": combine_digests(old_digests),
-            "target_sha256": combine_digests(d for _, _, d, _ in results),
-            "tensors": [{k: v for k, v in e.items() if k != "elements"} for e, *_ in results],
-        }
-        delta = pack_container(header, (blob for _, blobs, *_ in results for blob in blobs))
-        summary = {"elements": sum(e["elements"] for e, *_ in results),
-                   "changed": sum(e["changed"] for e, *_ in results),
-                   "bytes_full": sum(new.index[n].nbytes for n in names)}
+    results = map_tensors(encode, names, [new.index[n].numel for n in names])
+    old_digests = [d for *_, d in results if d is not None]
+    old_digests += tensor_entries(old, sorted(set(old.index) - set(new.index)))
+    header = {
+        "base_sha256": combine_digests(old_digests),
+        "target_sha256": combine_digests(d for _, _, d, _ in results),
+        "tensors": [{k: v for k, v in e.items() if k != "elements"} for e, *_ in results],
+    }
+    delta = pack_container(header, (blob for _, blobs, *_ in results for blob in blobs))
+    summary = {"elements": sum(e["elements"] for e, *_ in results),
+               "changed": sum(e["changed"] for e, *_ in results),
+               "bytes_full": sum(new.index[n].nbytes for n in names),
+               "digests": [d for _, _, d, _ in results]}
     return delta, summary
 
 
@@ -295,23 +306,11 @@ def apply_files(old_path: str | os.PathLike[str], delta: bytes | memoryview, out
 def files_sha256(files: Any) -> str:
     """The state hash (:func:`.state.state_sha256`) of every tensor in ``files`` (a
     :class:`.tensorfile.TensorReader` or :class:`.tensorfile.TensorFiles`), read tensor by tensor."""
-    return combine_digests(_hash_all(files, sorted(files.index)))
-
-
-class _StateReader:
-    """A state in memory as :func:`apply_into` reads a base (``index``, ``view``)."""
-
-    def __init__(self, state: Mapping[str, torch.Tensor]) -> None:
-        self._state = state
-        self.index = {n: TensorInfo(n, t.dtype, tuple(t.shape), 0, t.numel() * t.element_size()) for n, t in state.items()}
-
-    @contextlib.contextmanager
-    def view(self, name: str) -> Iterator[torch.Tensor]:
-        yield self._state[name].detach().cpu().contiguous()
+    return combine_digests(tensor_entries(files))
 
 
 def check_delta(old: Mapping[str, torch.Tensor], delta: bytes | memoryview, *, old_sha256: str) -> str:
     """:func:`.delta.apply_delta`'s checks without keeping its result: each tensor is decoded on
     ``old`` (whose hash ``old_sha256`` the caller verified), hashed and dropped, so the check holds
     a few tensors, not a second state. Returns the target hash, verified, or raises :class:`DeltaError`."""
-    return apply_into(_StateReader(old), delta, Discard(delta_layout(delta)), base_sha256=old_sha256)
+    return apply_into(StateReader(old), delta, Discard(delta_layout(delta)), base_sha256=old_sha256)

@@ -6,6 +6,7 @@ the process when its block ends, so they never add up to the file). :class:`Tens
 out a file from the tensors' names, dtypes and shapes first, then takes each tensor's bytes in any
 order, from any thread (``pwrite`` at its offset). Together they are what a delta between two
 100 GB files needs: peak memory is a few of the largest tensors, whatever the model's size.
+:class:`StateReader` reads a state already in memory the same way, for the same coders.
 
 The format (https://github.com/huggingface/safetensors): ``u64`` little-endian header length, a
 JSON header mapping names to ``{"dtype", "shape", "data_offsets": [begin, end]}`` (offsets into the
@@ -22,7 +23,7 @@ import mmap
 import os
 import struct
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -188,6 +189,20 @@ class TensorFiles:
     def view(self, name: str) -> contextlib.AbstractContextManager[torch.Tensor]:
         """As :meth:`TensorReader.view`."""
         return self._owner[name].view(name)
+
+
+class StateReader:
+    """A state in memory read as :class:`TensorReader` reads a file (``index``, :meth:`view`): what
+    the streaming coders take when the tensors are already at hand (any device: each is viewed on
+    the CPU, contiguous)."""
+
+    def __init__(self, state: Mapping[str, torch.Tensor]) -> None:
+        self._state = state
+        self.index = {n: TensorInfo(n, t.dtype, tuple(t.shape), 0, t.numel() * t.element_size()) for n, t in state.items()}
+
+    @contextlib.contextmanager
+    def view(self, name: str) -> Iterator[torch.Tensor]:
+        yield self._state[name].detach().cpu().contiguous()
 
 
 class TensorWriter:
