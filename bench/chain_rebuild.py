@@ -6,7 +6,9 @@ steps) into a SQLite registry and a folder store in a temp folder, writes v0 as 
 then times, in this process and in the same run:
 
 - ``one pass``: :func:`flywheel.weights.files.rebuild_file` from the v0 file to the last version, as
-  a node runs it (every delta of the chain in one pass: one file written);
+  a node runs it (every delta of the chain in one pass: one file written, and hashed once);
+- ``one pass, every step hashed``: the same with every version's base and target hashes checked
+  (``apply_chain(every_step=True)``, what a pass does after a failure, and did always before);
 - ``a file per version``: the same with ``PASS_BYTES`` at 1, one pass per version, what the node did
   before (a file written and read back per version);
 - ``control: copy``: the v0 file copied and fsynced (what writing one model costs this filesystem).
@@ -23,6 +25,7 @@ the last version's sha256. Prints a table; ``--json PATH`` writes it.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -107,6 +110,14 @@ def main(argv: list[str] | None = None) -> None:
             if files.rebuild_file(registry, args.behind, out, base=(0, [base])) != last.sha256:
                 raise RuntimeError("the rebuilt file does not have the last version's hash")
 
+        def every_step() -> None:
+            saved = files.apply_chain
+            files.apply_chain = functools.partial(saved, every_step=True)
+            try:
+                rebuild()
+            finally:
+                files.apply_chain = saved
+
         def per_version() -> None:
             saved = files.PASS_BYTES
             files.PASS_BYTES = 1
@@ -121,19 +132,19 @@ def main(argv: list[str] | None = None) -> None:
                 os.fsync(fh.fileno())
 
         rebuild()  # the kernels compiled and the pool started before anything is timed
-        rows = [timed("one pass", args.repeats, rebuild), timed("a file per version", args.repeats, per_version),
-                timed("control: copy", args.repeats, copy)]
-    baseline = rows[1]["wall_s"]
+        rows = [timed("one pass", args.repeats, rebuild), timed("one pass, every step hashed", args.repeats, every_step),
+                timed("a file per version", args.repeats, per_version), timed("control: copy", args.repeats, copy)]
+    baseline = rows[2]["wall_s"]
     for row in rows:
         row["vs_per_version"] = row["wall_s"] / baseline
     report = {"elements": args.elements, "behind": args.behind, "changed": args.changed, "model_bytes": model,
               "delta_bytes": delta_bytes, "load_average": os.getloadavg()[0], "rows": rows}
     print(f"{args.behind} versions behind on {model / 1e9:.2f} GB bf16 ({delta_bytes / 1e6:.1f} MB of deltas), "
           f"load average {report['load_average']:.2f}")
-    print(f"| {'':<20} | wall s | vs per version | written |")
+    print(f"| {'':<28} | wall s | vs per version | written |")
     print("|---|---|---|---|")
     for row in rows:
-        print(f"| {row['row']:<20} | {row['wall_s']:6.2f} | {row['vs_per_version']:5.2f} | {row['written'] / 1e9:.2f} GB |")
+        print(f"| {row['row']:<28} | {row['wall_s']:6.2f} | {row['vs_per_version']:5.2f} | {row['written'] / 1e9:.2f} GB |")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=2))

@@ -10,6 +10,7 @@ import pytest
 
 from bench import chain_rebuild
 from flywheel.weights import files
+from flywheel.weights.codec import streaming
 
 pytestmark = pytest.mark.unit
 
@@ -19,11 +20,12 @@ def test_bench_chain_rebuild_smoke(tmp_path: Path) -> None:
     chain_rebuild.main(["--elements", "400000", "--tensor", "50000", "--behind", "3", "--repeats", "1", "--json", str(out)])
     report = json.loads(out.read_text())
     rows = {row["row"]: row for row in report["rows"]}
-    assert list(rows) == ["one pass", "a file per version", "control: copy"]
+    assert list(rows) == ["one pass", "one pass, every step hashed", "a file per version", "control: copy"]
     model = report["model_bytes"]
-    assert model <= rows["one pass"]["written"] < 1.1 * model  # one file (and the registry's small writes)
+    for row in ("one pass", "one pass, every step hashed"):
+        assert model <= rows[row]["written"] < 1.1 * model  # one file (and the registry's small writes)
     assert 3 * model <= rows["a file per version"]["written"] < 3.3 * model
     assert rows["a file per version"]["vs_per_version"] == 1.0
     assert all(row["wall_s"] > 0 for row in rows.values())
     assert 0 < report["delta_bytes"] < report["model_bytes"]
-    assert files.PASS_BYTES == 1 << 30
+    assert files.PASS_BYTES == 1 << 30 and files.apply_chain is streaming.apply_chain  # both restored

@@ -9,13 +9,16 @@ before it is written, so the versions between are never written; :func:`apply_in
 one delta. None ever holds a state: each tensor is read
 (:mod:`.tensorfile`), hashed, coded and dropped on the codec's thread pool, so peak memory is the
 interpreter plus a few of the largest tensors per thread plus the delta itself, whatever the
-model's size. Both hashes are computed in the same pass (the state hash is two-level, a digest per
-tensor, see :func:`.state.combine_digests`), so every byte of both files is read once.
+model's size. A diff computes both hashes in the same pass (the state hash is two-level, a digest
+per tensor, see :func:`.state.combine_digests`), so every byte of both files is read once; an
+apply hashes what it writes only, once however long the chain (see :func:`apply_chain`).
 
 Invariant, as for :func:`.delta.apply_delta`: :func:`apply_files`, :func:`apply_into` and
-:func:`apply_chain` return normally only when what they wrote rebuilds every delta's target hash
-from a base with the delta's base hash; otherwise they raise :class:`.state.DeltaError` (from
-:func:`apply_chain`, a :class:`StepError` naming the step) and the caller discards the file.
+:func:`apply_chain` return normally only when what they wrote hashes to the last delta's target
+(each part's and the whole's); otherwise they raise :class:`.state.DeltaError` (from
+:func:`apply_chain`, a :class:`StepError` naming the step) and the caller discards the file. A
+wrong base or a corrupt delta anywhere in a chain gives a wrong target, unless the chain rewrites
+every byte where the base differs, and then what was written is the target all the same.
 """
 
 from __future__ import annotations
@@ -193,19 +196,24 @@ def _decode(job: _Job, prior: torch.Tensor | None, slot: int) -> torch.Tensor:
         raise DeltaError(f"corrupt delta: {type(exc).__name__}: {exc}") from exc
 
 
-def apply_chain(old: Any, steps: Sequence[Step], writer: Any, *, base_sha256: str | None = None) -> list[str]:
+def apply_chain(old: Any, steps: Sequence[Step], writer: Any, *, base_sha256: str | None = None,
+                every_step: bool = False) -> str:
     """Decode ``steps`` one after the other on the base in ``old`` (a :class:`.tensorfile.TensorReader`
     or :class:`.tensorfile.TensorFiles`) and write the last step's tensors into ``writer``, whose
     layout must hold them with their dtypes and shapes. Each tensor goes through the whole chain on
     one thread, between two reused buffers, so the intermediate states are never written or held:
     memory is a few tensors per thread and the deltas, whatever the chain's length.
-    ``base_sha256``: the base's hash when the caller has verified it (it is then not hashed again;
-    the first step's parts must then take the whole base).
+    ``base_sha256``: the base's hash when the caller has verified it (the first step's headers must
+    name it; the first step's parts must then take the whole base).
 
-    Every step is checked as if applied alone: its base's hash (each part's, and the whole's where
-    known), then its decoding, then its target's hashes. Returns each step's state hash, verified;
-    raises :class:`StepError` for the first step that fails (a wrong base is blamed on the step
-    whose base it is, before a corrupt delta), and the caller discards what was written."""
+    Returns the last step's state hash, verified: each of its parts' target hashes and its own
+    (``Step.sha256``) are checked against what was written, which a wrong base or any corrupt step
+    cannot pass (SHA-256), so the base and the states between are not hashed: one hash per tensor,
+    not one per step. When that check fails, the pass runs again with ``every_step`` (each step
+    checked as if applied alone: its base's hashes, each part's and the whole's where known, then
+    its decoding, then its target's), to raise :class:`StepError` for the first step that fails (a
+    wrong base is blamed on the step whose base it is, before a corrupt delta); the caller discards
+    what was written."""
     if not steps:
         raise ValueError("apply_chain needs at least one step")
     levels = [set(old.index)]
@@ -213,10 +221,10 @@ def apply_chain(old: Any, steps: Sequence[Step], writer: Any, *, base_sha256: st
     for i, step in enumerate(steps):
         parsed.append(_parse(i, step, levels[-1]))
         levels.append(set(parsed[-1].jobs))
+    last = len(steps) - 1
     for name, ((_, _, (_, dtype, shape)), _) in parsed[-1].jobs.items():
         if writer.layout.get(name) != (dtype, shape):
-            raise StepError(len(steps) - 1,
-                            f"tensor {name!r} is not laid out as {dtype_name(dtype)} {list(shape)} in the output")
+            raise StepError(last, f"tensor {name!r} is not laid out as {dtype_name(dtype)} {list(shape)} in the output")
     whole_base = steps[0].base_sha256 is not None or any(b is None for _, b in steps[0].parts)
     if base_sha256 is not None:
         if not all(b is None for _, b in steps[0].parts):
@@ -230,7 +238,7 @@ def apply_chain(old: Any, steps: Sequence[Step], writer: Any, *, base_sha256: st
     def lineage(name: str) -> tuple[list[Digest | None], tuple[int, DeltaError] | None]:
         digests: list[Digest | None] = [None] * (len(steps) + 1)
         with old.view(name) if name in first else _none() as current:
-            if current is not None and base_sha256 is None:
+            if current is not None and base_sha256 is None and every_step:
                 digests[0] = _digest(name, current)
             for i, step in enumerate(parsed):
                 found = step.jobs.get(name)
@@ -243,8 +251,9 @@ def apply_chain(old: Any, steps: Sequence[Step], writer: Any, *, base_sha256: st
                     current = _decode(job, prior, i % 2)
                 except DeltaError as exc:
                     return digests, (i, exc)
-                same = job[0]["scheme"] == "same" and prior is not None and digests[i] is not None
-                digests[i + 1] = digests[i] if same else _digest(name, current)
+                if every_step or i == last:
+                    same = job[0]["scheme"] == "same" and prior is not None and digests[i] is not None
+                    digests[i + 1] = digests[i] if same else _digest(name, current)
             if current is not None:
                 writer.write(name, current)
         return digests, None
@@ -254,7 +263,28 @@ def apply_chain(old: Any, steps: Sequence[Step], writer: Any, *, base_sha256: st
     for _, failure in results.values():
         if failure is not None:
             failures.setdefault(*failure)
-    hashes = []
+
+    def target(i: int) -> str:
+        """Step ``i``'s state hash from what was decoded, checked against its parts' and its own."""
+        read = parsed[i]
+        after = {n: results[n][0][i + 1] for n in read.jobs}
+        got = combine_digests(after.values())
+        targets = [(h.target_sha256, combine_digests(after[n] for n, (_, part) in read.jobs.items() if part == p)
+                    if len(read.headers) > 1 else got) for p, h in enumerate(read.headers)]
+        for want, have in targets + ([(steps[i].sha256, got)] if steps[i].sha256 is not None else []):
+            if have != want:
+                raise StepError(i, f"reconstructed state hash {have[:12]} does not match the delta's target {want[:12]}")
+        return got
+
+    if not every_step:
+        try:
+            if not failures:
+                return target(last)
+        except StepError:
+            pass
+        # Something is wrong: run again, every step checked, to blame the right one.
+        return apply_chain(old, steps, writer, base_sha256=base_sha256, every_step=True)
+    got = ""
     for i, (step, read) in enumerate(zip(steps, parsed, strict=True)):
         level = [d for d in (results[n][0][i] for n in sorted(levels[i])) if d is not None]
         if i > 0 or base_sha256 is None:
@@ -263,19 +293,13 @@ def apply_chain(old: Any, steps: Sequence[Step], writer: Any, *, base_sha256: st
             if step.base_sha256 is not None:
                 bases.append((step.base_sha256, level))
             for want, digests in bases:
-                got = combine_digests(d for d in digests if d is not None)
-                if got != want:
-                    raise StepError(i, f"delta is for a different parent (base {want[:12]}, given {got[:12]})")
+                have = combine_digests(d for d in digests if d is not None)
+                if have != want:
+                    raise StepError(i, f"delta is for a different parent (base {want[:12]}, given {have[:12]})")
         if i in failures:
             raise StepError(i, str(failures[i])) from failures[i]
-        after = {n: results[n][0][i + 1] for n in read.jobs}
-        hashes.append(combine_digests(after.values()))
-        targets = [(h.target_sha256, combine_digests(after[n] for n, (_, part) in read.jobs.items() if part == p)
-                    if len(read.headers) > 1 else hashes[-1]) for p, h in enumerate(read.headers)]
-        for want, got in targets + ([(step.sha256, hashes[-1])] if step.sha256 is not None else []):
-            if got != want:
-                raise StepError(i, f"reconstructed state hash {got[:12]} does not match the delta's target {want[:12]}")
-    return hashes
+        got = target(i)
+    return got
 
 
 def _numel(old: Any, parsed: list[_Parsed], name: str) -> int:
@@ -289,7 +313,7 @@ def apply_into(old: Any, delta: bytes | memoryview, writer: Any, *, base_sha256:
     """One delta (:func:`apply_chain` of one step) decoded on the base in ``old`` into ``writer``;
     returns the target's hash, verified, or raises :class:`DeltaError` (the base is not the
     delta's, the delta is corrupt)."""
-    return apply_chain(old, [Step([(delta, None)])], writer, base_sha256=base_sha256)[0]
+    return apply_chain(old, [Step([(delta, None)])], writer, base_sha256=base_sha256)
 
 
 def apply_files(old_path: str | os.PathLike[str], delta: bytes | memoryview, out_fd: int) -> str:
