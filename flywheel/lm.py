@@ -1,7 +1,8 @@
 """A local Hugging Face causal LM: load, sample with token ids and logprobs, export/load its weights.
 
 - :func:`load_model` reads a local Hugging Face directory; weights are bf16 values, computed in
-  fp32, in eval mode. Thread counts are left to the caller.
+  fp32, in eval mode. Thread counts are left to the caller. :func:`skeleton_model` builds the
+  same model without its weights (``meta`` tensors).
 - :func:`generate` samples a batch (left padding, attention mask, KV cache) and returns, per
   prompt, the sampled token ids and the log-probability of each under the distribution it was
   drawn from (the processed distribution of ``flywheel.sampling``: logit bias, penalties,
@@ -21,7 +22,7 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from transformers.utils import logging as hf_logging
 
 from flywheel.logprobs import processed_logprobs
@@ -41,11 +42,23 @@ class Sample:
 
 def load_model(path: str | Path) -> tuple[PreTrainedModel, object]:
     """Load a local model directory as (fp32 model in eval mode, tokenizer). Nothing downloaded."""
-    path = Path(path)
-    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32)
-    model = model.float().eval()
-    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    return model, tokenizer
+    return load_weights(path), AutoTokenizer.from_pretrained(Path(path), local_files_only=True)
+
+
+def load_weights(path: str | Path) -> PreTrainedModel:
+    """:func:`load_model`'s model alone (a trainer needs no tokenizer)."""
+    model = AutoModelForCausalLM.from_pretrained(Path(path), local_files_only=True, dtype=torch.float32)
+    return model.float().eval()
+
+
+def skeleton_model(path: str | Path) -> PreTrainedModel:
+    """The model of a local directory as :func:`load_model` builds it (fp32, eval mode), with no
+    weights: every parameter and buffer on the ``meta`` device, nothing read but the config. What a
+    training rank that receives its weights from rank 0 starts from (``trainer.distributed``)."""
+    config = AutoConfig.from_pretrained(Path(path), local_files_only=True)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return model.float().eval()
 
 
 def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:

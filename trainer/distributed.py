@@ -22,7 +22,8 @@ Invariants the loop keeps (how: docs/trainer.md):
   all-reduce) averages over ranks, dividing by ``world_size``, which ``grad_scale = world_size``
   undoes: the reduced gradient is ``sum over ranks of grad(local_token_sum) / N``, the gradient of
   the step's token mean in one process, up to the order of the summation.
-- All ranks start from rank 0's weights (:meth:`Dist.wrap` broadcasts them before sharding).
+- All ranks start from rank 0's weights (:meth:`Dist.wrap` broadcasts them one tensor at a time;
+  the other ranks start from a model without weights, :meth:`Dist.start_model`).
 - The gathered checkpoint format is the single process's. :meth:`Dist.full_state_dict` is
   ``{name: CPU tensor}`` of every parameter in the master dtype (``named_parameters`` names, tied
   weights once: what ``Policy.master_state`` gives), :meth:`Dist.optimizer_state_dict` is what
@@ -70,10 +71,10 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel
 
-from flywheel.lm import load_state
+from flywheel.lm import load_state, load_weights, skeleton_model
 from trainer.batch import Batch
 
 try:  # public since torch 2.6
@@ -164,25 +165,54 @@ class Dist:
 
     # --- the model -----------------------------------------------------------------------------
 
+    def start_model(self, path: str | Path) -> torch.nn.Module:
+        """The model of the local directory ``path`` as this rank starts from it: read whole
+        (``lm.load_weights``) on rank 0 and in one process; on any other rank only its structure
+        (``lm.skeleton_model``, no weights), since :meth:`wrap` gives it rank 0's."""
+        return load_weights(path) if self.is_main else skeleton_model(path)
+
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         """``model`` on this rank's device, data-parallel: FSDP2 per transformer block then root
         (the same object, its parameters now DTensor shards), or a DDP wrapper; in one process,
-        just moved. Rank 0's weights are every rank's. Build the optimizer from the returned
-        model's parameters, after this."""
-        model = model.to(self.device)
+        just moved. Rank 0's weights are every rank's: another rank may hand in a model without
+        weights (:meth:`start_model`), which then never holds more than its shard and one whole
+        tensor at a time under FSDP2 (under DDP every rank holds the model anyway). Build the
+        optimizer from the returned model's parameters, after this."""
+        meta = any(t.is_meta for t in [*model.parameters(), *model.buffers()])
+        if meta and self.is_main:
+            raise ValueError("rank 0 must hold the weights every rank starts from")
         if not self.enabled:
-            return model
-        if self.wrapper == "ddp":
+            return model.to(self.device)
+        if meta and self.wrapper == "ddp":
+            _materialize(model, self.device)
+        if self.wrapper == "ddp":  # its constructor broadcasts rank 0's parameters and buffers
+            model = model.to(self.device)
             return DistributedDataParallel(model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
-        with torch.no_grad():  # FSDP2 shards each rank's own copy: make them rank 0's first
-            for tensor in [*model.parameters(), *model.buffers()]:
-                tdist.broadcast(tensor, src=0)
+        if not meta:
+            model = model.to(self.device)
+        # Rank 0's whole tensors, kept past sharding: every rank takes its shard of each from them.
+        whole = dict(model.named_parameters()) if self.is_main else {}
         mesh = init_device_mesh(self.device.type, (self.world_size,))
         # bf16: all-gather fp32 shards as bf16 compute copies; reduce gradients in fp32.
         policy = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if self.bf16 else MixedPrecisionPolicy()
         for block in transformer_blocks(model):
             fully_shard(block, mesh=mesh, mp_policy=policy)
         fully_shard(model, mesh=mesh, mp_policy=policy)
+        if meta:
+            _materialize(model, self.device)
+        names = [name for name, _ in model.named_parameters()]
+        if len(set(map(tuple, self.all_gather_object(names)))) != 1:  # else the broadcasts below would pair wrongly
+            raise RuntimeError("ranks built different models: their parameter names differ")
+        with torch.no_grad():
+            for name, param in model.named_parameters():  # one whole tensor in flight at a time
+                tensor = whole.pop(name) if self.is_main else torch.empty(param.shape, dtype=param.dtype, device=self.device)
+                tdist.broadcast(tensor, src=0)
+                if not self.is_main:  # rank 0's shards are its own already
+                    piece = distribute_tensor(tensor, param.device_mesh, param.placements, src_data_rank=None)
+                    param.to_local().copy_(piece.to_local())
+                del tensor
+            for buffer in model.buffers():  # not sharded (rotary frequencies)
+                tdist.broadcast(buffer, src=0)
         return model
 
     def autocast(self) -> contextlib.AbstractContextManager:
@@ -375,6 +405,15 @@ SINGLE = Dist()
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     """The model without its DDP wrapper (an FSDP2 model is its own module)."""
     return model.module if isinstance(model, DistributedDataParallel) else model
+
+
+def _materialize(model: torch.nn.Module, device: torch.device) -> None:
+    """Give a model without weights (``meta``) uninitialised memory on ``device``, its tied
+    weights tied again (``Module.to_empty`` allocates each use of a shared parameter apart)."""
+    model.to_empty(device=device)
+    tie = getattr(model, "tie_weights", None)
+    if callable(tie):
+        tie()
 
 
 def transformer_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:

@@ -23,7 +23,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from flywheel.events import ScoredTrajectory, Segment, Turn
-from flywheel.lm import export_state, load_model
+from flywheel.lm import export_state
 from flywheel.settings import TrainerSettings
 from trainer.batch import micro_batches, sample_tokens
 from trainer.distributed import Dist, unwrap
@@ -83,7 +83,7 @@ def _selftest_run(dist: Dist, model_dir: Path, out_dir: Path) -> dict[str, Any]:
     """Train :data:`SELFTEST_SIZES` steps; after the second, rebuild model and optimizer from the
     full states (as a restart from a checkpoint would) and go on with those."""
     def build(state: dict[str, torch.Tensor] | None = None, optim: dict[str, Any] | None = None):
-        base = load_model(model_dir)[0].requires_grad_(True)
+        base = dist.start_model(model_dir).requires_grad_(True)  # weights on rank 0 only: wrap shares them
         published = export_state(base) if dist.is_main else {}  # bf16, as train() starts from a version
         model = dist.wrap(base)
         optimizer = torch.optim.AdamW(model.parameters(), lr=SELFTEST_LR, weight_decay=0.01)

@@ -105,7 +105,7 @@ from flywheel.db.models import ScoredTrajectoryRow
 from flywheel.db.session import make_session_factory, open_database
 from flywheel.events import ScoredTrajectory
 from flywheel.health import Beat
-from flywheel.lm import load_model
+from flywheel.lm import load_weights
 from flywheel.settings import Settings, TrainerSettings
 from flywheel.tombstones import Tombstones
 from flywheel.weights.codec.state import state_sha256
@@ -144,8 +144,10 @@ def _train(settings: Settings, stop: threading.Event, dist: Dist) -> None:
 
     # --- setup: every rank builds the model; rank 0 finds its weights (checkpoint or registry) ----
     model_path = settings.model.local_dir()
-    model, _tokenizer = load_model(model_path)  # fp32 master; eval: no dropout, the function the engine served
-    reference = load_model(model_path)[0].requires_grad_(False).to(dist.device) if cfg.kl_coef > 0 else None
+    # fp32 master; eval: no dropout, the function the engine served. Rank 0's weights are every
+    # rank's (Dist.wrap): the others build the model without any and take their shards from it.
+    model = dist.start_model(model_path)
+    reference = load_weights(model_path).requires_grad_(False).to(dist.device) if cfg.kl_coef > 0 else None
     vocab_size = model.get_input_embeddings().num_embeddings
     policy = Policy(model, cfg)
     engine = registry = resumed = published = None
