@@ -7,8 +7,9 @@ without any process holding the whole state:
 1. Each rank exports the tensors it owns (:func:`~flywheel.weights.shards.owners`, by bytes): the
    FSDP2 shards of each parameter are rounded to bf16 where they are, all-gathered one tensor at a
    time and written by the owner only, into a file of its own (``workdir``), so a rank holds one
-   bf16 tensor in flight beyond its training state (under DDP every rank has every tensor already). Its previous shard
-   (the next delta's base) is a file there too: no shard of the export is ever held in memory.
+   bf16 tensor in flight beyond its training state (under DDP every rank has every tensor
+   already). Its previous shard (the next delta's base) is a file there too: no shard of the
+   export is ever held in memory.
 2. Rank 0 plans the version (one small broadcast): a random token for the shard keys and the kind,
    ``delta`` when the registry allows it on ``parent`` and the ranks' previous shards (their hashes
    gathered as per-tensor entries, no tensor) compose to the parent's recorded hash, else ``full``
