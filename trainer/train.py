@@ -147,7 +147,7 @@ def _train(settings: Settings, stop: threading.Event, dist: Dist) -> None:
     # fp32 master; eval: no dropout, the function the engine served. Rank 0's weights are every
     # rank's (Dist.wrap): the others build the model without any and take their shards from it.
     model = dist.start_model(model_path)
-    reference = load_weights(model_path).requires_grad_(False).to(dist.device) if cfg.kl_coef > 0 else None
+    reference = _reference(dist, model_path) if cfg.kl_coef > 0 else None
     vocab_size = model.get_input_embeddings().num_embeddings
     policy = Policy(model, cfg)
     engine = registry = resumed = published = None
@@ -401,6 +401,17 @@ def _train(settings: Settings, stop: threading.Event, dist: Dist) -> None:
             consumer.close()
             bus.close()
             engine.dispose()
+
+
+def _reference(dist: Dist, model_path: Path) -> torch.nn.Module:
+    """The frozen KL reference (the weights ``model.path`` holds). Under FSDP2 it is sharded as the
+    trained model is (:meth:`Dist.wrap`; only rank 0 reads it), so no rank holds it whole; its
+    forward passes are collectives, run on every rank for every micro-batch, placeholders
+    included, as the trained model's are (trainer/step.py). Otherwise every rank holds it whole.
+    A collective under torchrun: every rank calls it at the same point."""
+    if dist.enabled and dist.wrapper == "fsdp2":
+        return dist.wrap(dist.start_model(model_path).requires_grad_(False))
+    return load_weights(model_path).requires_grad_(False).to(dist.device)
 
 
 def _follow(dist: Dist, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,

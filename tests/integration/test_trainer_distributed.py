@@ -96,7 +96,8 @@ def test_the_trainer_loop_under_torchrun_trains_like_one_process(tiny_model_dir:
     """``flywheel trainer`` launched by torchrun with 2 gloo ranks (FSDP2) against the same trainer
     as one process, on the same 16 scored trajectories: the same 4 versions, with the same losses,
     nearly the same weights (bf16 exports of fp32 masters whose sums ran in another order), every
-    trajectory trained once, and a clean stop on SIGTERM; the 2-rank versions are sharded."""
+    trajectory trained once, and a clean stop on SIGTERM; the 2-rank versions are sharded. Both
+    pull towards a KL reference, which the 2-rank trainer shards as it does the policy."""
     import signal
     import time
 
@@ -113,7 +114,8 @@ def test_the_trainer_loop_under_torchrun_trains_like_one_process(tiny_model_dir:
     for name, launcher in (("one", []), ("two", ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"])):
         root = tmp_path / name
         root.mkdir()
-        settings = make_settings(root, f"sqlite:///{root / 'flywheel.db'}", tiny_model_dir, micro_batch_tokens=96)
+        settings = make_settings(root, f"sqlite:///{root / 'flywheel.db'}", tiny_model_dir, micro_batch_tokens=96,
+                                 kl_coef=0.1)
         # One partition: both trainers read the samples in the same order, so form the same batches.
         settings = settings.model_copy(update={"bus": settings.bus.model_copy(update={"partitions": 1})})
         (root / "settings.json").write_text(json.dumps(settings.model_dump(mode="json")))
@@ -137,6 +139,7 @@ def test_the_trainer_loop_under_torchrun_trains_like_one_process(tiny_model_dir:
         assert "trainer stopping at step 4" in log, log[-5000:]
         runs[name] = registry
     one, two = runs["one"].versions(), runs["two"].versions()
+    assert one[-1].metrics["kl"] > 0  # the policy has moved away from the reference
     assert [v.version for v in two] == [v.version for v in one] == [0, 1, 2, 3, 4]
     # Under FSDP2 each rank checkpointed and published its own shard (trainer.sharded_versions);
     # one process publishes whole. A node loads either (Registry.load below) with every hash checked.
@@ -144,7 +147,7 @@ def test_the_trainer_loop_under_torchrun_trains_like_one_process(tiny_model_dir:
     assert sorted(trained_ids(runs["two"])) == sorted(s.trajectory_id for s in samples)
     for a, b in zip(one[1:], two[1:]):
         assert b.metrics["trajectory_ids"] == a.metrics["trajectory_ids"]
-        for key in ("loss", "mean_ratio", "clip_frac", "grad_norm"):
+        for key in ("loss", "mean_ratio", "clip_frac", "grad_norm", "kl"):
             assert b.metrics[key] == pytest.approx(a.metrics[key], rel=1e-4, abs=1e-6), (b.version, key)
         assert b.metrics["tokens"] == a.metrics["tokens"]
         wa, wb = runs["one"].load(a.version), runs["two"].load(b.version)
