@@ -213,10 +213,18 @@ def worker(args: argparse.Namespace) -> None:
 def run_job(root: Path, mode: str, size: str, ranks: int, *extra: str, timeout_s: float = 600) -> subprocess.CompletedProcess:
     """One torchrun job of ``ranks`` gloo ranks in ``root`` (created)."""
     root.mkdir(parents=True, exist_ok=True)
+    return torchrun("bench.sharded_publish", ranks, ["--mode", mode, "--size", size, "--root", str(root), *extra],
+                    timeout_s)
+
+
+def torchrun(module: str, ranks: int, args: list[str], timeout_s: float) -> subprocess.CompletedProcess:
+    """``module --worker args`` as a ``torchrun`` job of ``ranks`` CPU processes from the repository,
+    one thread each, with big frees returned to the system at once (so ``VmHWM`` measures what
+    is held), outside any torchrun environment this process may have."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     env.update(OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_="131072")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks),
-           "-m", "bench.sharded_publish", "--worker", "--mode", mode, "--size", size, "--root", str(root), *extra]
+           "-m", module, "--worker", *args]
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s)
 
 

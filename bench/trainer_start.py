@@ -25,16 +25,13 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from bench.sharded_publish import REPO, SIZES, build_model, rss_mb
+from bench.sharded_publish import SIZES, build_model, rss_mb, torchrun
 
 MODES = ("every rank reads", "rank 0 reads")
 
@@ -77,14 +74,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         params = sum(p.numel() for p in model.parameters())
         model.save_pretrained(model_dir)
         del model
-        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-        env.update(OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_="131072")
         for i, mode in enumerate(MODES):
             root = Path(tmp) / f"mode{i}"
             root.mkdir()
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.ranks),
-                   "-m", "bench.trainer_start", "--worker", "--mode", mode, "--model", str(model_dir), "--root", str(root)]
-            proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+            proc = torchrun("bench.trainer_start", args.ranks,
+                            ["--mode", mode, "--model", str(model_dir), "--root", str(root)], timeout_s=900)
             if proc.returncode != 0:
                 raise SystemExit(f"{mode} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
             rows[mode] = [json.loads((root / f"rank{r}.json").read_text()) for r in range(args.ranks)]

@@ -183,13 +183,12 @@ class Dist:
             raise ValueError("rank 0 must hold the weights every rank starts from")
         if not self.enabled:
             return model.to(self.device)
-        if meta and self.wrapper == "ddp":
-            _materialize(model, self.device)
-        if self.wrapper == "ddp":  # its constructor broadcasts rank 0's parameters and buffers
-            model = model.to(self.device)
-            return DistributedDataParallel(model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
         if not meta:
             model = model.to(self.device)
+        if self.wrapper == "ddp":  # its constructor broadcasts rank 0's parameters and buffers
+            if meta:
+                _materialize(model, self.device)
+            return DistributedDataParallel(model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
         # Rank 0's whole tensors, kept past sharding: every rank takes its shard of each from them.
         whole = dict(model.named_parameters()) if self.is_main else {}
         mesh = init_device_mesh(self.device.type, (self.world_size,))
