@@ -137,6 +137,7 @@ def run_vllm(settings: Settings, stop: threading.Event | None = None) -> None:
         _run_vllm_lora(settings, stop or threading.Event())
         return
     from flywheel.weights.codec.state import decode_full
+    from flywheel.weights.codec.tensorfile import weight_files
     from flywheel.weights.files import files_digest
     from serving.node.updater import Updater, node_url
     from serving.node.vllm_adapter import VllmAdapter
@@ -148,9 +149,7 @@ def run_vllm(settings: Settings, stop: threading.Event | None = None) -> None:
     with contextlib.ExitStack() as cleanup:
         sessions, registry, live = _open(settings, cleanup)
 
-        files = sorted(base_path.glob("*.safetensors"))
-        if not files:
-            raise RuntimeError(f"no *.safetensors weights in {base_path} (the folder vLLM was started from)")
+        files = weight_files(base_path)  # the folder vLLM was started from
         digest = files_digest(files)  # read tensor by tensor: the node never holds the model
         if registry.latest() is None:  # the line's first version: published once, from a whole state
             base_state: dict = {}

@@ -70,9 +70,10 @@ from typing import Any, Literal
 import httpx
 
 from flywheel.weights.codec.state import state_sha256
+from flywheel.weights.codec.tensorfile import weight_files
 from flywheel.weights.files import files_digest, files_layout, rebuild_file
 from serving.node.updater import UpdateOutcome
-from serving.node.vllm_files import FULL_WEIGHTS, State, adapter_config, check_lora_state, materialise, weight_files
+from serving.node.vllm_files import FULL_WEIGHTS, State, adapter_config, check_lora_state, materialise
 from serving.node.vllm_probe import logprobs_mode
 
 log = logging.getLogger(__name__)

@@ -20,6 +20,7 @@ import safetensors.torch
 import torch
 
 from flywheel.weights.codec.state import encode_full, state_sha256
+from flywheel.weights.codec.tensorfile import weight_files
 
 log = logging.getLogger(__name__)
 
@@ -55,14 +56,6 @@ def materialise(folder: Path, state: State, sha256: str, *, adapter_config: dict
     return folder
 
 
-def weight_files(folder: Path) -> list[Path]:
-    """The ``*.safetensors`` files of a model folder (a version's, or the one vLLM started from)."""
-    files = sorted(Path(folder).glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"no *.safetensors weights in {folder}")
-    return files
-
-
 def adapter_config(state: State, lora_config: dict[str, Any]) -> dict[str, Any]:
     """The ``adapter_config.json`` vLLM reads with ``state``: PEFT's LoRA keys, ``lora_config`` and the rank."""
     config = {"peft_type": "LORA", "bias": "none", "task_type": "CAUSAL_LM", **lora_config}
@@ -96,7 +89,7 @@ def zero_adapter_state(model_dir: str | os.PathLike[str], r: int, target_modules
     from safetensors import safe_open
 
     shapes: dict[str, list[int]] = {}
-    for shard in sorted(Path(model_dir).glob("*.safetensors")):
+    for shard in weight_files(model_dir):
         with safe_open(str(shard), framework="pt") as f:
             shapes.update({name: list(f.get_slice(name).get_shape()) for name in f.keys()})
     if not shapes:

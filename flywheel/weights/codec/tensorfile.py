@@ -25,6 +25,7 @@ import struct
 import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -74,6 +75,15 @@ def scratch(nbytes: int, slot: int = 0) -> np.ndarray:
         buffers[slot] = None  # free the old one before taking the new
         buf = buffers[slot] = np.empty(nbytes, dtype=np.uint8)
     return buf[:nbytes]
+
+
+def weight_files(folder: str | os.PathLike[str]) -> list[Path]:
+    """The ``*.safetensors`` files of a model folder (its shards; a version's, the one vLLM started
+    from, a trainer's model), in name order; ``ValueError`` when it has none."""
+    files = sorted(Path(folder).glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no *.safetensors weights in {folder}")
+    return files
 
 
 class TensorReader:
