@@ -17,6 +17,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -53,12 +55,31 @@ def load_weights(path: str | Path) -> PreTrainedModel:
 
 def skeleton_model(path: str | Path) -> PreTrainedModel:
     """The model of a local directory as :func:`load_model` builds it (fp32, eval mode), with no
-    weights: every parameter and buffer on the ``meta`` device, nothing read but the config. What a
-    training rank that receives its weights from rank 0 starts from (``trainer.distributed``)."""
+    weights: every parameter on the ``meta`` device, nothing read but the config. Buffers (rotary
+    frequencies: computed from the config, never read) are real. What a training rank starts from
+    when it takes its weights from rank 0 or its own slices of a file (``trainer.distributed``)."""
     config = AutoConfig.from_pretrained(Path(path), local_files_only=True)
-    with torch.device("meta"):
+    with _parameters_on_meta():
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     return model.float().eval()
+
+
+@contextmanager
+def _parameters_on_meta() -> Iterator[None]:
+    """Every parameter a module registers inside the block moves to ``meta`` as it is registered
+    (one layer's weights exist at a time, and only while it is built); buffers stay where they are."""
+    register = torch.nn.Module.register_parameter
+
+    def on_meta(module: torch.nn.Module, name: str, param: torch.nn.Parameter | None) -> None:
+        register(module, name, param)
+        if param is not None:
+            module._parameters[name] = torch.nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+
+    torch.nn.Module.register_parameter = on_meta  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = register  # type: ignore[method-assign]
 
 
 def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:

@@ -22,8 +22,10 @@ Invariants the loop keeps (how: docs/trainer.md):
   all-reduce) averages over ranks, dividing by ``world_size``, which ``grad_scale = world_size``
   undoes: the reduced gradient is ``sum over ranks of grad(local_token_sum) / N``, the gradient of
   the step's token mean in one process, up to the order of the summation.
-- All ranks start from rank 0's weights (:meth:`Dist.wrap` broadcasts them one tensor at a time;
-  the other ranks start from a model without weights, :meth:`Dist.start_model`).
+- All ranks start from the same weights: rank 0's (:meth:`Dist.wrap` broadcasts them one tensor at
+  a time; the other ranks start from a model without weights, :meth:`Dist.start_model`), or each
+  rank's own rows of the same safetensors files (``Dist.wrap(model, files)``; no rank need hold
+  the weights), or a sharded checkpoint loaded after wrapping.
 - The gathered checkpoint format is the single process's. :meth:`Dist.full_state_dict` is
   ``{name: CPU tensor}`` of every parameter in the master dtype (``named_parameters`` names, tied
   weights once: what ``Policy.master_state`` gives), :meth:`Dist.optimizer_state_dict` is what
@@ -75,6 +77,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel
 
 from flywheel.lm import load_state, load_weights, skeleton_model
+from flywheel.weights.codec.tensorfile import TensorFiles
 from trainer.batch import Batch
 
 try:  # public since torch 2.6
@@ -171,37 +174,57 @@ class Dist:
         (``lm.skeleton_model``, no weights), since :meth:`wrap` gives it rank 0's."""
         return load_weights(path) if self.is_main else skeleton_model(path)
 
-    def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+    def wrap(self, model: torch.nn.Module, weights: Sequence[str | Path] | None = None, *,
+             loaded_later: bool = False) -> torch.nn.Module:
         """``model`` on this rank's device, data-parallel: FSDP2 per transformer block then root
         (the same object, its parameters now DTensor shards), or a DDP wrapper; in one process,
-        just moved. Rank 0's weights are every rank's: another rank may hand in a model without
+        just moved. Build the optimizer from the returned model's parameters, after this.
+
+        Where the weights come from: rank 0's, by default; another rank may hand in a model without
         weights (:meth:`start_model`), which then never holds more than its shard and one whole
-        tensor at a time under FSDP2 (under DDP every rank holds the model anyway). Build the
-        optimizer from the returned model's parameters, after this."""
-        meta = any(t.is_meta for t in [*model.parameters(), *model.buffers()])
-        if meta and self.is_main:
+        tensor at a time under FSDP2 (under DDP every rank holds the model anyway). With
+        ``weights`` (safetensors files holding every parameter under its ``named_parameters``
+        name: a version rebuilt into a file, a model folder's shards), every rank, rank 0
+        included, may hand in a model without weights: each reads its own rows of each tensor
+        from the files (mapped, so only those pages are read) and nothing is broadcast; ranks on
+        several hosts must see the files at the same path (a shared filesystem, as sharded
+        checkpoints need). With ``loaded_later`` the caller loads every parameter next (a sharded
+        checkpoint, :meth:`load_sharded_state`): the weights are left as they are, uninitialised
+        for a model without any, and nothing is read or sent."""
+        meta = any(t.is_meta for t in model.parameters())
+        if meta and self.is_main and weights is None and not loaded_later:
             raise ValueError("rank 0 must hold the weights every rank starts from")
-        if not self.enabled:
-            return model.to(self.device)
-        if not meta:
+        if any(b.is_meta for b in model.buffers()):
+            raise ValueError("a model's buffers must be real (lm.skeleton_model computes them from the config)")
+        if loaded_later:
+            weights = None
+        if meta:
+            _materialize(model, self.device)
+        else:
             model = model.to(self.device)
-        if self.wrapper == "ddp":  # its constructor broadcasts rank 0's parameters and buffers
-            if meta:
-                _materialize(model, self.device)
+        if not self.enabled or self.wrapper == "ddp":  # every rank holds the whole model
+            if weights is not None:
+                _read_rows(model, weights)
+            if not self.enabled:
+                return model
+            # DDP's constructor broadcasts rank 0's parameters and buffers.
             return DistributedDataParallel(model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
         # Rank 0's whole tensors, kept past sharding: every rank takes its shard of each from them.
-        whole = dict(model.named_parameters()) if self.is_main else {}
+        broadcast = weights is None and not loaded_later
+        whole = dict(model.named_parameters()) if self.is_main and broadcast else {}
         mesh = init_device_mesh(self.device.type, (self.world_size,))
         # bf16: all-gather fp32 shards as bf16 compute copies; reduce gradients in fp32.
         policy = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if self.bf16 else MixedPrecisionPolicy()
         for block in transformer_blocks(model):
             fully_shard(block, mesh=mesh, mp_policy=policy)
         fully_shard(model, mesh=mesh, mp_policy=policy)
-        if meta:
-            _materialize(model, self.device)
         names = [name for name, _ in model.named_parameters()]
         if len(set(map(tuple, self.all_gather_object(names)))) != 1:  # else the broadcasts below would pair wrongly
             raise RuntimeError("ranks built different models: their parameter names differ")
+        if weights is not None:
+            _read_rows(model, weights)
+        if not broadcast:
+            return model
         with torch.no_grad():
             for name, param in model.named_parameters():  # one whole tensor in flight at a time
                 tensor = whole.pop(name) if self.is_main else torch.empty(param.shape, dtype=param.dtype, device=self.device)
@@ -407,12 +430,53 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def _materialize(model: torch.nn.Module, device: torch.device) -> None:
-    """Give a model without weights (``meta``) uninitialised memory on ``device``, its tied
-    weights tied again (``Module.to_empty`` allocates each use of a shared parameter apart)."""
+    """Give a model without weights (``meta`` parameters) uninitialised memory on ``device``, its
+    real buffers kept (``Module.to_empty`` would blank them) and its tied weights tied again
+    (``to_empty`` allocates each use of a shared parameter apart)."""
+    kept = {name: b.detach().clone() for name, b in model.named_buffers() if not b.is_meta}
     model.to_empty(device=device)
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            if name in kept:
+                b.copy_(kept[name])
     tie = getattr(model, "tie_weights", None)
     if callable(tie):
         tie()
+
+
+def _read_rows(model: torch.nn.Module, paths: Sequence[str | Path]) -> None:
+    """Copy into each parameter of ``model`` what this rank holds of it (all of a plain tensor; a
+    DTensor ``Shard(0)`` shard's rows) from the safetensors files ``paths``, which must hold every
+    parameter by name with its shape (``KeyError``/``ValueError`` otherwise); values are cast to
+    the parameter's dtype (a bf16 version into the fp32 master)."""
+    with TensorFiles(list(paths)) as files, torch.no_grad():
+        for name, param in model.named_parameters():
+            info = files.index.get(name)
+            if info is None:
+                raise KeyError(f"{name} is not in {[os.fspath(p) for p in paths]}")
+            if tuple(info.shape) != tuple(param.shape):
+                raise ValueError(f"{name}: shape {tuple(info.shape)} in the file, {tuple(param.shape)} in the model")
+            local, start = _local_rows(name, param)
+            with files.view(name) as whole:
+                local.copy_(whole if start is None else whole[start:start + local.shape[0]])
+
+
+def _local_rows(name: str, param: torch.Tensor) -> tuple[torch.Tensor, int | None]:
+    """This rank's part of ``param`` and the first row of it in the whole tensor (``None``: all of
+    it). FSDP2 shards dim 0 as ``torch.chunk`` does: ``ceil(rows / ranks)`` rows a rank, the last
+    ranks short or empty."""
+    if not isinstance(param, DTensor):
+        return param.data, None
+    mesh, placements = param.device_mesh, param.placements
+    if mesh.ndim != 1 or len(placements) != 1 or not placements[0].is_shard(0):
+        raise ValueError(f"{name}: only a 1-D mesh sharding dim 0 is read by rows, not {placements}")
+    rows, ranks = param.shape[0], mesh.size()
+    chunk = -(-rows // ranks)
+    start = min(mesh.get_local_rank() * chunk, rows)
+    local = param.to_local()
+    if local.shape[0] != min(chunk, rows - start):
+        raise RuntimeError(f"{name}: a shard of {local.shape[0]} rows where torch.chunk gives {min(chunk, rows - start)}")
+    return local, start
 
 
 def transformer_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:

@@ -9,7 +9,10 @@ loop (consume -> buffer -> step) -> every ``trainer.steps_per_version`` steps, o
   training): no rank gathers the model or the Adam state. At a publish point every rank writes its
   own shards into the checkpoint (``checkpoint.save_sharded``, torch DCP) and codes, uploads and
   checks its own shard of the version (trainer/shard_publish.py); rank 0 writes the checkpoint file
-  and the manifest. Inline, at the cut: the ranks' collectives cannot run beside training's.
+  and the manifest. Inline, at the cut: the ranks' collectives cannot run beside training's. Nor
+  does any rank read the whole model to start: every rank builds it without weights, and reads its
+  own rows of what it starts from (``Dist.wrap``): the version rank 0 rebuilt into a file tensor by
+  tensor (``flywheel.weights.files.rebuild_file``), or its own shards of a sharded checkpoint.
 - Otherwise publishing runs off the critical path (``trainer.publish_in_background``, trainer/publisher.py).
   At the cut the loop gathers the full fp32 master and Adam state (a collective under torchrun:
   every rank, synchronously), takes the bf16 export (from rank 0's replica under torchrun), keeps
@@ -95,6 +98,7 @@ from pathlib import Path
 from statistics import fmean
 from typing import Any
 
+import safetensors.torch
 import torch
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
@@ -105,10 +109,12 @@ from flywheel.db.models import ScoredTrajectoryRow
 from flywheel.db.session import make_session_factory, open_database
 from flywheel.events import ScoredTrajectory
 from flywheel.health import Beat
-from flywheel.lm import load_weights
+from flywheel.lm import load_weights, skeleton_model
 from flywheel.settings import Settings, TrainerSettings
 from flywheel.tombstones import Tombstones
 from flywheel.weights.codec.state import state_sha256
+from flywheel.weights.codec.tensorfile import weight_files
+from flywheel.weights.files import rebuild_file
 from flywheel.weights.registry import Registry, State, VersionInfo
 from flywheel.weights.store import make_store
 from trainer import checkpoint, compute
@@ -122,6 +128,8 @@ from trainer.step import train_step
 log = logging.getLogger("flywheel.trainer")
 
 POLL_TIMEOUT_S = 0.5
+#: Under ``ckpt_dir``: the weights every rank of a sharded trainer reads its rows of at start.
+START_FILE = "start.safetensors"
 MAX_RECORDS = 200
 
 
@@ -144,16 +152,17 @@ def _train(settings: Settings, stop: threading.Event, dist: Dist) -> None:
 
     # --- setup: every rank builds the model; rank 0 finds its weights (checkpoint or registry) ----
     model_path = settings.model.local_dir()
-    # fp32 master; eval: no dropout, the function the engine served. Rank 0's weights are every
-    # rank's (Dist.wrap): the others build the model without any and take their shards from it.
-    model = dist.start_model(model_path)
+    # Under FSDP2 a full-parameter trainer checkpoints and publishes each rank's own shard, and
+    # every rank starts from its own rows of the weights (module docstring).
+    sharded = cfg.sharded_versions and dist.enabled and dist.wrapper == "fsdp2" and cfg.lora_rank == 0
+    # fp32 master; eval: no dropout, the function the engine served. Otherwise rank 0's weights
+    # are every rank's (Dist.wrap): the others build the model without any and take their shards.
+    model = skeleton_model(model_path) if sharded else dist.start_model(model_path)
     reference = _reference(dist, model_path) if cfg.kl_coef > 0 else None
     vocab_size = model.get_input_embeddings().num_embeddings
     policy = Policy(model, cfg)
-    engine = registry = resumed = published = None
+    engine = registry = resumed = published = start_file = None
     current = step = 0
-    # Under FSDP2 a full-parameter trainer checkpoints and publishes each rank's own shard.
-    sharded = cfg.sharded_versions and dist.enabled and dist.wrapper == "fsdp2" and not policy.lora
     # `flywheel health trainer`: rank 0 beats while it waits for a first version and on every turn
     # of the loop; one turn may hold a whole step and a publish point (checkpoint + publish).
     heartbeat = Beat(settings, "trainer")
@@ -174,16 +183,27 @@ def _train(settings: Settings, stop: threading.Event, dist: Dist) -> None:
                 latest = registry.latest()
             if latest is not None:
                 current, step = latest.version, latest.train_step or 0
-                published = registry.load(current)  # the bf16 weights of the version being trained
-                policy.load_published(published)
-        else:
-            if not resumed.sharded:  # a sharded checkpoint's weights are loaded once the model is wrapped
+                if sharded:  # the bf16 weights of the version being trained, for every rank's rows
+                    start_file = _start_file(ckpt_dir)
+                    rebuild_file(registry, current, start_file)
+                else:
+                    published = registry.load(current)
+                    policy.load_published(published)
+        elif not resumed.sharded:  # a sharded checkpoint's weights are loaded once the model is wrapped
+            if sharded:  # a gathered checkpoint's, read back by rows as well
+                start_file = _start_file(ckpt_dir)
+                safetensors.torch.save_file(resumed.model, start_file)
+            else:
                 policy.load_master(resumed.model)
+        if resumed is not None:
             step = resumed.step
+        if start_file is None:  # one a crash left behind
+            (ckpt_dir / START_FILE).unlink(missing_ok=True)
     start = dist.broadcast_object(
-        None if dist.is_main and resumed is None and published is None
+        None if dist.is_main and resumed is None and published is None and start_file is None
         else {"step": step, "scheduler": None if resumed is None else resumed.scheduler,
-              "resumed": resumed is not None, "sharded": resumed is not None and bool(resumed.sharded)})
+              "resumed": resumed is not None, "sharded": resumed is not None and bool(resumed.sharded),
+              "weights": None if start_file is None else str(start_file)})
     if start is None:  # stopped while waiting for a first version
         heartbeat.close()
         if engine is not None:
@@ -194,7 +214,12 @@ def _train(settings: Settings, stop: threading.Event, dist: Dist) -> None:
     # unless each rank publishes its own shard.
     exporter = copy.deepcopy(policy) if dist.enabled and dist.is_main and not sharded else policy
     # Checkpointed/compiled blocks (trainer.compute) on the trained model only, before wrapping.
-    model = dist.wrap(compute.prepare(policy.model, cfg))  # every rank starts from rank 0's weights
+    weights = [start["weights"]] if start["weights"] else None
+    model = dist.wrap(compute.prepare(policy.model, cfg), weights, loaded_later=start["sharded"])
+    if weights is not None:
+        dist.barrier()  # every rank has read its rows
+        if dist.is_main:
+            Path(weights[0]).unlink()
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr,
                                   weight_decay=cfg.weight_decay)
     # Adam's first steps move every weight by a full lr (its moment estimates are fresh), which
@@ -403,14 +428,20 @@ def _train(settings: Settings, stop: threading.Event, dist: Dist) -> None:
             engine.dispose()
 
 
+def _start_file(ckpt_dir: Path) -> Path:
+    """Where rank 0 writes the weights a sharded trainer's ranks read their rows of at start."""
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    return ckpt_dir / START_FILE
+
+
 def _reference(dist: Dist, model_path: Path) -> torch.nn.Module:
     """The frozen KL reference (the weights ``model.path`` holds). Under FSDP2 it is sharded as the
-    trained model is (:meth:`Dist.wrap`; only rank 0 reads it), so no rank holds it whole; its
+    trained model is (:meth:`Dist.wrap`; each rank reads its own rows), so no rank holds it whole; its
     forward passes are collectives, run on every rank for every micro-batch, placeholders
     included, as the trained model's are (trainer/step.py). Otherwise every rank holds it whole.
     A collective under torchrun: every rank calls it at the same point."""
-    if dist.enabled and dist.wrapper == "fsdp2":
-        return dist.wrap(dist.start_model(model_path).requires_grad_(False))
+    if dist.enabled and dist.wrapper == "fsdp2":  # every rank reads its own rows of the model's files
+        return dist.wrap(skeleton_model(model_path).requires_grad_(False), weight_files(model_path))
     return load_weights(model_path).requires_grad_(False).to(dist.device)
 
 

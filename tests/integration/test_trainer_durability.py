@@ -250,23 +250,31 @@ def test_kill_9_at_a_random_moment_then_restart_loses_and_repeats_nothing(
         assert v0 and all(".lora_A." in k or ".lora_B." in k for k in v0), context
         assert all(not t.any() for k, t in v0.items() if ".lora_B." in k), context
         assert registry.load(registry.latest().version).keys() == v0.keys(), context  # type: ignore[union-attr]
-    if launcher:  # the job restarted with sharded versions off: it resumes the sharded checkpoint, publishes gathered
+    if launcher:
+        # The job restarted with sharded versions off: it resumes the sharded checkpoint and publishes
+        # gathered. Then on again: every rank reads its own rows of the gathered checkpoint's weights
+        # (the version published from it checked against the ranks' shards) and publishes shards.
         gathered = settings.model_copy(update={"trainer": settings.trainer.model_copy(update={"sharded_versions": False})})
-        config.write_text(json.dumps(gathered.model_dump(mode="json")))
-        more = scored_trajectories(tiny_model_dir, BATCH, seed=seed + 1)
-        send(settings, [s.to_bytes() for s in more])
-        last = registry.latest().version  # type: ignore[union-attr]
-        proc = start_trainer(config, log_path, launcher)
-        try:
-            wait_for("the gathered version", lambda: latest() > last, proc, log_path, timeout_s=120)
-        finally:
-            proc.send_signal(signal.SIGTERM)
-            code = proc.wait(60)
-        assert code == 1, log_path.read_text()[-4000:]
-        new = registry.get(last + 1)
-        assert not new.store_key.endswith(".manifest") and new.parent == last, (context, new)
-        assert sorted(new.metrics["trajectory_ids"]) == sorted(s.trajectory_id for s in more), (context, new)
-        assert registry.load(new.version) is not None  # a node rebuilds it on the sharded chain, every hash checked
+        for round_no, (run, manifest) in enumerate(((gathered, False), (settings, True)), start=1):
+            config.write_text(json.dumps(run.model_dump(mode="json")))
+            more = scored_trajectories(tiny_model_dir, BATCH, seed=seed + round_no)
+            send(settings, [s.to_bytes() for s in more])
+            last = registry.latest().version  # type: ignore[union-attr]
+            proc = start_trainer(config, log_path, launcher)
+            try:
+                wait_for(f"a version after v{last}", lambda: latest() > last, proc, log_path, timeout_s=120)
+            finally:
+                proc.send_signal(signal.SIGTERM)
+                code = proc.wait(60)
+            assert code == 1, log_path.read_text()[-4000:]
+            new = registry.get(last + 1)
+            assert new.store_key.endswith(".manifest") == manifest and new.parent == last, (context, new)
+            assert sorted(new.metrics["trajectory_ids"]) == sorted(s.trajectory_id for s in more), (context, new)
+            assert registry.load(new.version) is not None  # a node rebuilds it on the chain, every hash checked
+        from trainer.checkpoint import checkpoint_dir
+        from trainer.train import START_FILE
+
+        assert not (checkpoint_dir(settings) / START_FILE).exists(), context  # read by every rank, then removed
 
 
 class Crash(Exception):
