@@ -10,7 +10,10 @@ its model and wraps it (``Dist.wrap``), as ``trainer/train.py`` starts:
   ``Dist.wrap`` (each rank receives rank 0's weights in place, then shards them);
 - ``rank 0 reads``: ``Dist.start_model`` (rank 0 reads the directory, the others build the model
   without weights, ``lm.skeleton_model``), then ``Dist.wrap``, which sends each whole tensor and
-  lets every other rank keep its shard of it.
+  lets every other rank keep its shard of it;
+- ``each rank reads its rows``: every rank, rank 0 included, builds the model without weights and
+  ``Dist.wrap(model, files)`` reads its own rows of each tensor from the directory's safetensors
+  files (what a sharded trainer does: trainer/train.py).
 
 Each rank reports its peak RSS (``VmHWM``) from start to the wrapped model and its RSS after; the
 driver checks that both modes end with the same shards (a hash of every rank's local tensors).
@@ -33,16 +36,19 @@ import torch
 
 from bench.sharded_publish import SIZES, build_model, rss_mb, torchrun
 
-MODES = ("every rank reads", "rank 0 reads")
+MODES = ("every rank reads", "rank 0 reads", "each rank reads its rows")
 
 
 def worker(args: argparse.Namespace) -> None:
-    from flywheel.lm import load_weights
+    from flywheel.lm import load_weights, skeleton_model
+    from flywheel.weights.codec.tensorfile import weight_files
     from trainer.distributed import Dist
 
     dist = Dist.from_env("cpu", wrapper="fsdp2")
-    model = load_weights(args.model) if args.mode == MODES[0] else dist.start_model(args.model)
-    model = dist.wrap(model)
+    if args.mode == MODES[2]:
+        model = dist.wrap(skeleton_model(args.model), weight_files(args.model))
+    else:
+        model = dist.wrap(load_weights(args.model) if args.mode == MODES[0] else dist.start_model(args.model))
     digest = hashlib.sha256()
     for name, p in model.named_parameters():
         local = p.to_local() if hasattr(p, "to_local") else p
@@ -82,18 +88,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             if proc.returncode != 0:
                 raise SystemExit(f"{mode} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
             rows[mode] = [json.loads((root / f"rank{r}.json").read_text()) for r in range(args.ranks)]
-    same = rows[MODES[0]][0]["shards"] == rows[MODES[1]][0]["shards"]
+    same = len({tuple(ranks[0]["shards"]) for ranks in rows.values()}) == 1
     if not same:
-        raise SystemExit("the two ways of starting left different shards")
+        raise SystemExit("the ways of starting left different shards")
     fp32_mb = params * 4 / 2**20
     print(f"{args.ranks} gloo ranks, {params / 1e6:.1f}M parameters ({fp32_mb:,.0f} MB in fp32); "
           f"peak RSS per rank from start to the wrapped model; same shards: {same}")
-    print(f"| {'mode':<17} | rank | peak MB | after MB | peak vs every rank reads |")
+    print(f"| {'mode':<24} | rank | peak MB | after MB | peak vs every rank reads |")
     print("|---|---|---|---|---|")
     for mode, ranks in rows.items():
         for r in ranks:
             r["peak_vs_every_rank_reads"] = r["peak_mb"] / rows[MODES[0]][r["rank"]]["peak_mb"]
-            print(f"| {mode:<17} | {r['rank']:>4} | {r['peak_mb']:>7,.0f} | {r['after_mb']:>8,.0f} | "
+            print(f"| {mode:<24} | {r['rank']:>4} | {r['peak_mb']:>7,.0f} | {r['after_mb']:>8,.0f} | "
                   f"{r['peak_vs_every_rank_reads']:>24.2f} |")
     out = {"size": args.size, "ranks": args.ranks, "params": params, "fp32_mb": fp32_mb, "rows": rows}
     if args.json:
