@@ -9,8 +9,10 @@ changes). Then, each as its own process under ``/usr/bin/time``, in the same run
 - ``control read+hash``: SHA-256 of both files on two threads (what any verified copy of them costs:
   the rate the codec is held against, and a gauge of the machine's load);
 - ``control imports``: the interpreter with the codec's imports and nothing else (RSS floor);
-- ``control write``: writing a new file of one checkpoint's size (what ``apply``'s output costs
-  the filesystem whatever the codec does);
+- ``control write``: writing a new file of one checkpoint's size into the page cache (unlinked
+  before the kernel need write it back); ``control write + fsync``: the same file made durable
+  first, as ``apply`` and a node make their output (what that output costs the disk whatever the
+  codec does: the floor of both rows);
 - ``streaming diff`` / ``streaming apply``: the commands as a user runs them;
 - ``in-memory diff`` / ``in-memory apply`` (unless ``--no-baseline``): the same work through the
   whole-state API (:func:`encode_delta` / :func:`apply_delta` on :func:`decode_full` of the files),
@@ -29,7 +31,16 @@ the wall time less the imports control, the interpreter's fixed start-up), and t
 read+hash control. The apply's and the node's outputs are checked byte for byte against the target file (the
 generator lays files out as :class:`TensorWriter` does, so a correct apply reproduces the file
 exactly), and the streaming delta against the in-memory one. Files are read warm from the page
-cache, as right after a download. Prints a table; ``--json PATH`` writes it.
+cache, as right after a download.
+
+On a virtual machine the first write of memory the guest has not used lately costs the host a fault
+per page: filling 2.3 GB of new page cache took 5 s of system time here the first time and 0.4 s
+right after the same amount was freed (one process writing a file three times). So a row that
+writes a file would be timed on what the rows before it freed. Before each row the driver writes
+and drops a file of one checkpoint's size (``--no-prime`` skips it), and calls ``sync`` (untimed), so
+every row starts with backed memory free and nothing of another row's left to write back: the
+rows measure the commands and the disk, not the hypervisor. Prints a table; ``--json PATH``
+writes it (``primed`` says which way it ran).
 
     .venv/bin/python -m bench.weights_files --json /tmp/weights-files.json
     .venv/bin/python -m bench.weights_files --layers 2 --vocab 4096 --repeats 1 --no-baseline   # quick
@@ -49,6 +60,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from flywheel.weights.codec.tensorfile import TensorWriter
@@ -153,12 +165,15 @@ def _hash_files(*paths: str) -> None:
         list(pool.map(one, paths))
 
 
-def _write_file(path: str, size: int) -> None:
-    chunk = bytes(1 << 24)
+def _write_file(path: str, size: int, durable: bool = False) -> None:
+    chunk = np.random.default_rng(0).integers(0, 256, 1 << 24, dtype=np.uint8).tobytes()  # not zeros: a disk may skip those
     with open(path, "wb") as fh:
         for _ in range(size // len(chunk)):
             fh.write(chunk)
         fh.write(chunk[: size % len(chunk)])
+        if durable:
+            fh.flush()
+            os.fsync(fh.fileno())
     os.unlink(path)
 
 
@@ -183,7 +198,10 @@ def publish_pair(folder: Path, old: str, new: str) -> str:
 
 
 def timed(cmd: list[str]) -> tuple[float, int]:
-    """Wall seconds and peak RSS (bytes) of ``cmd`` run to completion (it must succeed)."""
+    """Wall seconds and peak RSS (bytes) of ``cmd`` run to completion (it must succeed), started
+    once the disk has written back what earlier rows wrote (``sync``, not timed), so that no row
+    pays for another's write-back."""
+    os.sync()
     with tempfile.NamedTemporaryFile("r") as report:
         start = time.perf_counter()
         done = subprocess.run(["/usr/bin/time", "-f", "%M", "-o", report.name, *cmd], capture_output=True, text=True)
@@ -204,6 +222,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-baseline", action="store_true", help="skip the in-memory rows")
     parser.add_argument("--dir", type=Path, help="where the files go (default: a temp folder, removed after)")
+    parser.add_argument("--no-prime", action="store_true",
+                        help="do not write and drop a file of one checkpoint's size before each row (module docstring)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
 
@@ -221,6 +241,8 @@ def main(argv: list[str] | None = None) -> None:
             ("control read+hash", [PYTHON, "-c", f"from bench.weights_files import _hash_files; _hash_files({old!r}, {new!r})"]),
             ("control write", [PYTHON, "-c", f"from bench.weights_files import _write_file; "
                                               f"_write_file({out + '.control'!r}, {os.path.getsize(new)})"]),
+            ("control write + fsync", [PYTHON, "-c", f"from bench.weights_files import _write_file; "
+                                                      f"_write_file({out + '.control'!r}, {os.path.getsize(new)}, True)"]),
             ("control imports", [PYTHON, "-c", _IMPORTS]),
             ("streaming diff", [*FLYWHEEL, "weights", "diff", old, new, "-o", delta]),
             ("streaming apply", [*FLYWHEEL, "weights", "apply", old, delta, "-o", out]),
@@ -240,6 +262,8 @@ def main(argv: list[str] | None = None) -> None:
             for label, cmd in cases:
                 if (label.startswith("in-memory") or label.endswith("whole")) and label in rows:
                     continue  # once is enough for the slow whole-state path
+                if not args.no_prime:  # memory the VM has backed, for the page cache this row fills
+                    _write_file(out + ".prime", size)
                 wall, rss = timed(cmd)
                 row = rows.setdefault(label, {"wall_s": wall, "peak_rss": rss})
                 row["wall_s"], row["peak_rss"] = min(row["wall_s"], wall), max(row["peak_rss"], rss)
@@ -262,17 +286,18 @@ def main(argv: list[str] | None = None) -> None:
     result = {"elements": elements, "file_bytes": size, "largest_tensor_bytes": largest, "changed": changed,
               "fraction_changed": changed / elements, "delta_bytes": delta_bytes,
               "delta_pct": 100 * delta_bytes / size, "bit_exact": exact, "generate_s": generated,
-              "load_avg_1m": os.getloadavg()[0], "rows": rows}
+              "load_avg_1m": os.getloadavg()[0], "primed": not args.no_prime, "rows": rows}
     print(f"pair: 2 x {size / 1e9:.2f} GB bf16 ({elements / 1e9:.2f}B elements, largest tensor "
           f"{largest / 1e6:.0f} MB), {100 * changed / elements:.2f}% changed; delta {delta_bytes:,} bytes "
           f"({result['delta_pct']:.3f}% of a file); output byte-identical to the target: {exact}")
-    print(f"{'':<20} {'wall s':>8} {'GB/s':>7} {'after start':>12} {'x read+hash':>12} {'peak RSS':>10} "
+    print(f"{'':<22} {'wall s':>8} {'GB/s':>7} {'after start':>12} {'x read+hash':>12} {'peak RSS':>10} "
           f"{'% of pair':>10}")
     for label, row in rows.items():
         work = f"{row['work_gbps']:.2f}" if "work_gbps" in row else "-"
-        print(f"{label:<20} {row['wall_s']:>8.2f} {row['gbps']:>7.2f} {work:>12} {row['vs_control']:>12.2f} "
+        print(f"{label:<22} {row['wall_s']:>8.2f} {row['gbps']:>7.2f} {work:>12} {row['vs_control']:>12.2f} "
               f"{row['peak_rss'] / 2**20:>8.0f}Mi {row['rss_pct_of_pair']:>9.1f}%")
-    print(f"(best of {args.repeats} wall, max peak RSS; load average {result['load_avg_1m']:.2f})")
+    print(f"(best of {args.repeats} wall, max peak RSS; load average {result['load_avg_1m']:.2f}; "
+          f"{'primed' if result['primed'] else 'not primed'})")
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
 
