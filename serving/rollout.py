@@ -221,7 +221,7 @@ def failed_loads(db: Any, model_line: str, version: int, now: datetime) -> tuple
     from flywheel.db.models import Node
 
     nodes = [n for n in db.scalars(select(Node).where(Node.model_line == model_line))
-             if (now - _utc(n.last_heartbeat)).total_seconds() <= NODE_FRESH_S]
+             if (now - n.last_heartbeat).total_seconds() <= NODE_FRESH_S]
     prefix = f"version {version}:"
     failed = {n.node_id: n.detail[len(prefix):].strip()[:200] for n in sorted(nodes, key=lambda n: n.node_id)
               if n.status == "failed_update" and n.detail.startswith(prefix) and n.live_version != version}
@@ -236,7 +236,7 @@ def fleet_version(db: Any, model_line: str, now: datetime) -> int | None:
     from flywheel.db.models import Node
 
     live = {n.live_version for n in db.scalars(select(Node).where(Node.model_line == model_line))
-            if (now - _utc(n.last_heartbeat)).total_seconds() <= NODE_FRESH_S}
+            if (now - n.last_heartbeat).total_seconds() <= NODE_FRESH_S}
     return next(iter(live)) if len(live) == 1 else None
 
 
@@ -257,10 +257,6 @@ def _implicating(versions: Sequence[Any], version: int, floor: int | None) -> tu
     tail = (f"; the versions on its chain{since}, {', '.join(f'v{v}' for v in chain)}, are rolled back with it "
             f"(ineligible until `flywheel rollout clear V`)" if chain else "")
     return {"failed_load": True, "implicated": chain}, tail
-
-
-def _utc(value: datetime) -> datetime:
-    return value if value.tzinfo is not None else value.replace(tzinfo=UTC)  # SQLite: naive, stored as UTC
 
 
 def _gates(registry: Any, db: Any, stable: int | None, policy: RolloutSettings) -> Callable[[Any], list[GateResult]]:
@@ -328,7 +324,7 @@ def evaluate(registry: Any, sessions: Any, policy: RolloutSettings, now: datetim
             if stable is None:  # nothing serves yet: the calendar protects a stable version, and there is none
                 return direct
             published = next(v.created_at for v in versions if v.version == chosen)
-            return on_calendar(direct, "candidate", _utc(published), registry.model_line, db, policy, now)
+            return on_calendar(direct, "candidate", published, registry.model_line, db, policy, now)
         if stable is None:
             return Decision("promote", canary.version, "canary with no stable version to compare with", {}, "canary")
         since = canary_started(registry.transitions(canary.version)) or canary.created_at
@@ -388,7 +384,7 @@ def automatic_promotions(db: Any, model_line: str, since: datetime) -> list[date
     query = select(T.at).where(T.model_line == model_line, T.to_status == "stable", T.at >= since,
                                T.from_status.in_(("candidate", "canary")), T.reason.startswith(AUTOMATIC),
                                ~T.reason.startswith(RESTORE))
-    return [_utc(at) for at in db.scalars(query)]
+    return [at for at in db.scalars(query)]
 
 
 def on_calendar(decision: Decision, kind: str, soak_start: datetime, model_line: str, db: Any,

@@ -138,14 +138,9 @@ class VersionInfo:
     created_at: datetime
 
 
-def _utc(value: datetime) -> datetime:
-    # SQLite hands back naive datetimes; everything stored is UTC.
-    return value if value.tzinfo is not None else value.replace(tzinfo=UTC)
-
-
 def _pin(row: ModelVersion) -> PinInfo:
     assert row.pinned_at is not None
-    return PinInfo(row.model_line, row.version, row.pinned_by or "", row.pin_reason or "", _utc(row.pinned_at))
+    return PinInfo(row.model_line, row.version, row.pinned_by or "", row.pin_reason or "", row.pinned_at)
 
 
 def _info(row: ModelVersion) -> VersionInfo:
@@ -162,7 +157,7 @@ def _info(row: ModelVersion) -> VersionInfo:
         train_step=row.train_step,
         metrics=dict(row.metrics or {}),
         status=row.status,
-        created_at=_utc(row.created_at),
+        created_at=row.created_at,
     )
 
 
@@ -249,7 +244,7 @@ class Registry:
         with self._sessions() as session:
             return [
                 {"version": t.version, "from_status": t.from_status, "to_status": t.to_status,
-                 "reason": t.reason, "at": _utc(t.at)}
+                 "reason": t.reason, "at": t.at}
                 for t in session.scalars(query.order_by(VersionTransition.id))
             ]
 
