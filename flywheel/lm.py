@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -64,22 +65,29 @@ def skeleton_model(path: str | Path) -> PreTrainedModel:
     return model.float().eval()
 
 
+_ON_META = threading.Lock()
+
+
 @contextmanager
 def _parameters_on_meta() -> Iterator[None]:
-    """Every parameter a module registers inside the block moves to ``meta`` as it is registered
-    (one layer's weights exist at a time, and only while it is built); buffers stay where they are."""
-    register = torch.nn.Module.register_parameter
+    """Every parameter a module registers on this thread inside the block moves to ``meta`` as it
+    is registered (one layer's weights exist at a time, and only while it is built); buffers stay
+    where they are. ``Module.register_parameter`` is patched for the block, so one block runs at a
+    time, and other threads' modules are left alone."""
+    with _ON_META:
+        register = torch.nn.Module.register_parameter
+        owner = threading.get_ident()
 
-    def on_meta(module: torch.nn.Module, name: str, param: torch.nn.Parameter | None) -> None:
-        register(module, name, param)
-        if param is not None:
-            module._parameters[name] = torch.nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        def on_meta(module: torch.nn.Module, name: str, param: torch.nn.Parameter | None) -> None:
+            register(module, name, param)
+            if param is not None and threading.get_ident() == owner:
+                module._parameters[name] = torch.nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
 
-    torch.nn.Module.register_parameter = on_meta  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        torch.nn.Module.register_parameter = register  # type: ignore[method-assign]
+        torch.nn.Module.register_parameter = on_meta  # type: ignore[method-assign]
+        try:
+            yield
+        finally:
+            torch.nn.Module.register_parameter = register  # type: ignore[method-assign]
 
 
 def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:

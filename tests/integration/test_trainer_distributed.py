@@ -154,3 +154,49 @@ def test_the_trainer_loop_under_torchrun_trains_like_one_process(tiny_model_dir:
         differing = sum(int((wa[k] != wb[k]).sum()) for k in wa)
         total = sum(t.numel() for t in wa.values())
         assert differing <= 1e-3 * total, (b.version, differing, total)
+
+
+def test_a_model_without_weights_reads_them_from_files(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """``lm.skeleton_model`` builds the model with its parameters on ``meta`` and its buffers
+    computed (modules another thread builds meanwhile keep their weights); ``Dist.wrap(model,
+    files)`` fills it from safetensors files (in one process, whole tensors: the rows path is the
+    torchrun loop's, above) exactly as loading the folder does, tied weights tied; files that lack
+    a parameter are refused by name."""
+    import threading
+
+    import safetensors.torch
+
+    from flywheel.lm import load_weights, skeleton_model
+    from flywheel.weights.codec.tensorfile import weight_files
+    from trainer.distributed import SINGLE
+
+    stop, seen = threading.Event(), []
+
+    def build() -> None:
+        while not stop.is_set():
+            seen.append(torch.nn.Linear(8, 8).weight.is_meta)
+
+    other = threading.Thread(target=build)
+    other.start()
+    try:
+        skeleton = skeleton_model(tiny_model_dir)
+    finally:
+        stop.set()
+        other.join()
+    assert seen and not any(seen)
+    assert all(p.is_meta for p in skeleton.parameters())
+    whole = load_weights(tiny_model_dir)
+    buffers = dict(whole.named_buffers())
+    assert {n: torch.equal(b, buffers[n]) for n, b in skeleton.named_buffers()} == {n: True for n in buffers}
+
+    model = SINGLE.wrap(skeleton, weight_files(tiny_model_dir))
+    params = dict(whole.named_parameters())
+    assert {n: torch.equal(p, params[n]) for n, p in model.named_parameters()} == {n: True for n in params}
+    if whole.config.tie_word_embeddings:
+        assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+
+    partial = tmp_path / "partial.safetensors"
+    first = next(iter(params))
+    safetensors.torch.save_file({first: params[first].detach().clone()}, partial)
+    with pytest.raises(KeyError, match=r"is not in"):
+        SINGLE.wrap(skeleton_model(tiny_model_dir), [partial])
