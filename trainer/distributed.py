@@ -449,6 +449,10 @@ def _read_rows(model: torch.nn.Module, paths: Sequence[str | Path]) -> None:
     DTensor ``Shard(0)`` shard's rows) from the safetensors files ``paths``, which must hold every
     parameter by name with its shape (``KeyError``/``ValueError`` otherwise); values are cast to
     the parameter's dtype (a bf16 version into the fp32 master)."""
+    missing = [os.fspath(p) for p in paths if not os.path.exists(p)]
+    if missing:  # another host's file: the folder is not shared
+        raise FileNotFoundError(f"this rank cannot see {missing}: every rank reads its rows of the same files, "
+                                "so ranks on several hosts need them on a filesystem they share")
     with TensorFiles(list(paths)) as files, torch.no_grad():
         for name, param in model.named_parameters():
             info = files.index.get(name)

@@ -200,3 +200,5 @@ def test_a_model_without_weights_reads_them_from_files(tiny_model_dir: Path, tmp
     safetensors.torch.save_file({first: params[first].detach().clone()}, partial)
     with pytest.raises(KeyError, match=r"is not in"):
         SINGLE.wrap(skeleton_model(tiny_model_dir), [partial])
+    with pytest.raises(FileNotFoundError, match=r"filesystem they share"):
+        SINGLE.wrap(skeleton_model(tiny_model_dir), [tmp_path / "on-another-host.safetensors"])
