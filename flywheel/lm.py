@@ -2,7 +2,7 @@
 
 - :func:`load_model` reads a local Hugging Face directory; weights are bf16 values, computed in
   fp32, in eval mode. Thread counts are left to the caller. :func:`skeleton_model` builds the
-  same model without its weights (``meta`` tensors).
+  same model without its weights (parameters on ``meta``, buffers computed from the config).
 - :func:`generate` samples a batch (left padding, attention mask, KV cache) and returns, per
   prompt, the sampled token ids and the log-probability of each under the distribution it was
   drawn from (the processed distribution of ``flywheel.sampling``: logit bias, penalties,

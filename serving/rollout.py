@@ -384,7 +384,7 @@ def automatic_promotions(db: Any, model_line: str, since: datetime) -> list[date
     query = select(T.at).where(T.model_line == model_line, T.to_status == "stable", T.at >= since,
                                T.from_status.in_(("candidate", "canary")), T.reason.startswith(AUTOMATIC),
                                ~T.reason.startswith(RESTORE))
-    return [at for at in db.scalars(query)]
+    return list(db.scalars(query))
 
 
 def on_calendar(decision: Decision, kind: str, soak_start: datetime, model_line: str, db: Any,

@@ -192,12 +192,11 @@ class Dist:
         checkpoint, :meth:`load_sharded_state`): the weights are left as they are, uninitialised
         for a model without any, and nothing is read or sent."""
         meta = any(t.is_meta for t in model.parameters())
-        if meta and self.is_main and weights is None and not loaded_later:
+        broadcast = weights is None and not loaded_later  # rank 0's weights, sent tensor by tensor
+        if meta and self.is_main and broadcast:
             raise ValueError("rank 0 must hold the weights every rank starts from")
         if any(b.is_meta for b in model.buffers()):
             raise ValueError("a model's buffers must be real (lm.skeleton_model computes them from the config)")
-        if loaded_later:
-            weights = None
         if meta:
             _materialize(model, self.device)
         else:
@@ -210,7 +209,6 @@ class Dist:
             # DDP's constructor broadcasts rank 0's parameters and buffers.
             return DistributedDataParallel(model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
         # Rank 0's whole tensors, kept past sharding: every rank takes its shard of each from them.
-        broadcast = weights is None and not loaded_later
         whole = dict(model.named_parameters()) if self.is_main and broadcast else {}
         mesh = init_device_mesh(self.device.type, (self.world_size,))
         # bf16: all-gather fp32 shards as bf16 compute copies; reduce gradients in fp32.
