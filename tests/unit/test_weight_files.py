@@ -119,8 +119,11 @@ def test_a_chain_applies_in_one_pass_as_its_deltas_do_one_by_one(rng: random.Ran
     assert (tmp_path / "chained").read_bytes() == step_by_step.read_bytes()
     assert_same(load(tmp_path / "chained"), states[-1])
 
+    # A wrong base: the mask, which every delta leaves as it is, flipped (a base that differs only
+    # where the chain rewrites everything would give the target all the same: pair() may draw one).
+    flipped = save(tmp_path / "wrong.safetensors", {**states[0], "mask": ~states[0]["mask"]})
     with pytest.raises(StepError, match="different parent") as wrong:
-        chained(files[1], deltas, tmp_path / "out")
+        chained(flipped, deltas, tmp_path / "out")
     assert wrong.value.step == 0
     blamed = set()
     for i in range(20):
