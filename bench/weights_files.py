@@ -12,8 +12,10 @@ changes). Then, each as its own process under ``/usr/bin/time``, in the same run
 - ``control write``: writing a new file of one checkpoint's size into the page cache (unlinked
   before the kernel need write it back); ``control write + fsync``: the same file made durable
   first, as ``apply`` and a node make their output (what that output costs the disk whatever the
-  codec does: the floor of both rows);
-- ``streaming diff`` / ``streaming apply``: the commands as a user runs them;
+  codec does: the floor of both rows); ``control direct write``: the same durable file written
+  around the page cache (``O_DIRECT``, aligned), as ``apply`` writes its output by default;
+- ``streaming diff`` / ``streaming apply``: the commands as a user runs them; ``apply --buffered``:
+  the apply writing its output through the page cache, as it did before it wrote directly;
 - ``in-memory diff`` / ``in-memory apply`` (unless ``--no-baseline``): the same work through the
   whole-state API (:func:`encode_delta` / :func:`apply_delta` on :func:`decode_full` of the files),
   what the commands did before they streamed;
@@ -51,6 +53,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import mmap
 import os
 import subprocess
 import sys
@@ -165,8 +168,20 @@ def _hash_files(*paths: str) -> None:
         list(pool.map(one, paths))
 
 
-def _write_file(path: str, size: int, durable: bool = False) -> None:
+def _write_file(path: str, size: int, durable: bool = False, direct: bool = False) -> None:
     chunk = np.random.default_rng(0).integers(0, 256, 1 << 24, dtype=np.uint8).tobytes()  # not zeros: a disk may skip those
+    if direct:  # O_DIRECT: from a page-aligned buffer, whole blocks, the last one cut back after
+        aligned = mmap.mmap(-1, len(chunk))
+        aligned[:] = chunk
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+        for at in range(0, size, len(chunk)):
+            n = min(len(chunk), -(-(size - at) // 4096) * 4096)
+            os.pwrite(fd, memoryview(aligned)[:n], at)
+        os.ftruncate(fd, size)
+        os.fsync(fd)
+        os.close(fd)
+        os.unlink(path)
+        return
     with open(path, "wb") as fh:
         for _ in range(size // len(chunk)):
             fh.write(chunk)
@@ -243,9 +258,12 @@ def main(argv: list[str] | None = None) -> None:
                                               f"_write_file({out + '.control'!r}, {os.path.getsize(new)})"]),
             ("control write + fsync", [PYTHON, "-c", f"from bench.weights_files import _write_file; "
                                                       f"_write_file({out + '.control'!r}, {os.path.getsize(new)}, True)"]),
+            ("control direct write", [PYTHON, "-c", f"from bench.weights_files import _write_file; "
+                                                     f"_write_file({out + '.control'!r}, {os.path.getsize(new)}, True, True)"]),
             ("control imports", [PYTHON, "-c", _IMPORTS]),
             ("streaming diff", [*FLYWHEEL, "weights", "diff", old, new, "-o", delta]),
             ("streaming apply", [*FLYWHEEL, "weights", "apply", old, delta, "-o", out]),
+            ("apply --buffered", [*FLYWHEEL, "weights", "apply", "--buffered", old, delta, "-o", out + ".buffered"]),
         ]
         url = publish_pair(d, old, new)
         node_out = str(d / "node.safetensors")
@@ -267,9 +285,10 @@ def main(argv: list[str] | None = None) -> None:
                 wall, rss = timed(cmd)
                 row = rows.setdefault(label, {"wall_s": wall, "peak_rss": rss})
                 row["wall_s"], row["peak_rss"] = min(row["wall_s"], wall), max(row["peak_rss"], rss)
-        with open(out, "rb") as a, open(new, "rb") as b, open(node_out, "rb") as c:
+        with open(out, "rb") as a, open(new, "rb") as b, open(node_out, "rb") as c, open(out + ".buffered", "rb") as f:
             target = hashlib.sha256(b.read()).digest()
             exact = hashlib.sha256(a.read()).digest() == target == hashlib.sha256(c.read()).digest()
+            exact = exact and hashlib.sha256(f.read()).digest() == target
         with open(d / "node-anchor.safetensors", "rb") as e:
             exact = exact and hashlib.sha256(e.read()).digest() == target
         if not args.no_baseline:

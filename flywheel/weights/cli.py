@@ -35,6 +35,9 @@ def add_weights_commands(subparsers: Any) -> None:
     apply.add_argument("old", type=Path)
     apply.add_argument("delta", type=Path)
     apply.add_argument("-o", "--output", type=Path, required=True, help="safetensors file to write")
+    apply.add_argument("--buffered", action="store_true",
+                       help="write through the page cache (default: around it, O_DIRECT where the filesystem "
+                            "allows, which leaves the file on disk and not in memory)")
     apply.set_defaults(weights_func=_apply)
 
     stats = sub.add_parser("stats", help="delta size against a full copy, XOR+zstd and an entropy floor")
@@ -139,7 +142,7 @@ def _apply(args: argparse.Namespace, _settings: Any = None) -> int:
     try:
         delta = args.delta.read_bytes()
         with _atomic_output(args.output) as fd:
-            sha = apply_files(args.old, delta, fd)
+            sha = apply_files(args.old, delta, fd, direct=not args.buffered)
     except (OSError, DeltaError) as exc:
         return _fail(str(exc))
     print(f"wrote {args.output}: sha256 {sha} (verified) in {time.perf_counter() - start:.2f}s")

@@ -41,6 +41,9 @@ def test_diff_apply_and_stats_on_files(tmp_path: Path, capsys: pytest.CaptureFix
     assert main(["weights", "apply", str(tmp_path / "old.safetensors"), str(tmp_path / "d.delta"),
                  "-o", str(tmp_path / "out.safetensors")]) == 0
     assert_bit_exact(read_file(tmp_path / "out.safetensors"), new)
+    assert main(["weights", "apply", "--buffered", str(tmp_path / "old.safetensors"), str(tmp_path / "d.delta"),
+                 "-o", str(tmp_path / "buffered.safetensors")]) == 0
+    assert (tmp_path / "buffered.safetensors").read_bytes() == (tmp_path / "out.safetensors").read_bytes()
     capsys.readouterr()
     assert main(["weights", "stats", str(tmp_path / "old.safetensors"), str(tmp_path / "new.safetensors"), "--json"]) == 0
     stats = json.loads(capsys.readouterr().out)

@@ -20,8 +20,8 @@ def test_bench_weights_files_smoke(tmp_path: Path) -> None:
     result = json.loads(out.read_text())
     assert result["bit_exact"] is True
     assert 0.005 < result["fraction_changed"] < 0.05 and 0 < result["delta_pct"] < 5
-    assert set(result["rows"]) == {"control read+hash", "control write", "control write + fsync", "control imports",
-                                   "streaming diff", "streaming apply", "node apply",
+    assert set(result["rows"]) == {"control read+hash", "control write", "control write + fsync", "control direct write",
+                                   "control imports", "streaming diff", "streaming apply", "apply --buffered", "node apply",
                                    "node from anchor"}  # the in-memory rows: another five seconds, same code
     for label, row in result["rows"].items():
         assert row["wall_s"] > 0 and row["peak_rss"] > 0 and row["gbps"] > 0

@@ -66,6 +66,10 @@ def test_streamed_diff_is_the_codecs_delta_and_apply_rebuilds_the_target(rng: ra
     rebuilt = load(tmp_path / "out.safetensors")
     assert_same(rebuilt, new)
     assert sha == state_sha256(new) == state_sha256(rebuilt)
+    # Written around the page cache (O_DIRECT: the temp folder's filesystem takes it), the same file.
+    with open(tmp_path / "direct.safetensors", "wb") as fh:
+        assert apply_files(a, delta, fh.fileno(), direct=True) == sha
+    assert (tmp_path / "direct.safetensors").read_bytes() == (tmp_path / "out.safetensors").read_bytes()
 
 
 def test_apply_refuses_the_wrong_base_and_a_corrupt_delta(rng: random.Random, tmp_path: Path) -> None:
@@ -214,13 +218,15 @@ def test_memory_stays_bounded_by_the_largest_tensor_not_the_model(tmp_path: Path
     diff = _growth(warm, f"d, _ = diff_files({str(a)!r}, {str(b)!r})\nopen({str(tmp_path / 'd')!r}, 'wb').write(d)")
     apply = _growth(warm, f"apply_files({str(a)!r}, open({str(tmp_path / 'd')!r}, 'rb').read(), "
                           f"os.open({str(tmp_path / 'out')!r}, os.O_CREAT | os.O_WRONLY))")
+    direct = _growth(warm, f"apply_files({str(a)!r}, open({str(tmp_path / 'd')!r}, 'rb').read(), "
+                           f"os.open({str(tmp_path / 'out-direct')!r}, os.O_CREAT | os.O_WRONLY), direct=True)")
     whole = _growth(warm, "from flywheel.weights.codec.delta import encode_delta\n"
                           "from flywheel.weights.codec.tensorfile import TensorReader\n"
                           "def read(p):\n    with TensorReader(p) as r:\n        return {n: r.read(n) for n in r.index}\n"
                           f"encode_delta(read({str(a)!r}), read({str(b)!r}))")
     # Two threads, each with a base and a target (diff) or a base and an output buffer (apply) in
     # hand, plus the kernels' per-tensor scratch: a few tensors, whatever the file's size.
-    for label, grew in (("diff", diff), ("apply", apply)):
+    for label, grew in (("diff", diff), ("apply", apply), ("direct apply", direct)):
         assert grew < 8 * largest, f"{label}: {grew / 2**20:.1f} MiB over the interpreter"
     assert whole > 2 * file_size  # the measurement sees a state held whole
-    assert state_sha256(load(tmp_path / "out")) == state_sha256(load(b))
+    assert state_sha256(load(tmp_path / "out")) == state_sha256(load(b)) == state_sha256(load(tmp_path / "out-direct"))

@@ -316,11 +316,13 @@ def apply_into(old: Any, delta: bytes | memoryview, writer: Any, *, base_sha256:
     return apply_chain(old, [Step([(delta, None)])], writer, base_sha256=base_sha256)
 
 
-def apply_files(old_path: str | os.PathLike[str], delta: bytes | memoryview, out_fd: int) -> str:
+def apply_files(old_path: str | os.PathLike[str], delta: bytes | memoryview, out_fd: int, *,
+                direct: bool = False) -> str:
     """Rebuild the delta's target from the base in ``old_path`` into the file open at ``out_fd``
     (a safetensors file, tensors in the delta's order); returns the target's hash, verified, or
-    raises :class:`DeltaError` (the base is not the delta's, the delta is corrupt)."""
-    writer = TensorWriter(out_fd, delta_layout(delta))
+    raises :class:`DeltaError` (the base is not the delta's, the delta is corrupt). ``direct``: as
+    :class:`.tensorfile.TensorWriter`."""
+    writer = TensorWriter(out_fd, delta_layout(delta), direct=direct)
     with TensorReader(old_path) as old:
         got = apply_into(old, delta, writer)
     writer.close()

@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from flywheel.weights.codec.directio import DirectFile, write_all
 from flywheel.weights.codec.state import DeltaError
 
 #: safetensors dtype names and the torch dtypes they are.
@@ -43,8 +44,6 @@ DTYPES: dict[str, torch.dtype] = {
 _NAMES = {dtype: name for name, dtype in DTYPES.items()}
 # A header larger than this is not a checkpoint's.
 _HEADER_LIMIT = 100 << 20
-# Linux moves at most this many bytes in one write call.
-_IO_CHUNK = 1 << 30
 _LOCAL = threading.local()
 
 
@@ -217,10 +216,12 @@ class StateReader:
 
 class TensorWriter:
     """A safetensors file laid out from ``(name, dtype, shape)`` in that order; :meth:`write` each
-    tensor once, in any order and from any thread; :meth:`close` checks every one was written."""
+    tensor once, in any order and from any thread; :meth:`close` checks every one was written.
+    ``direct``: write around the page cache (:class:`.directio.DirectFile`), for an output nobody
+    reads right after (the file is then on the device, not in memory; same bytes)."""
 
     def __init__(self, fd: int, layout: list[tuple[str, torch.dtype, tuple[int, ...]]],
-                 metadata: dict[str, str] | None = None) -> None:
+                 metadata: dict[str, str] | None = None, *, direct: bool = False) -> None:
         header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
         self._at: dict[str, tuple[int, int]] = {}
         #: name -> (dtype, shape), as laid out.
@@ -240,8 +241,20 @@ class TensorWriter:
         self._pending = set(self._at)
         self._lock = threading.Lock()
         self.size = self._data + offset
-        _write_all(fd, struct.pack("<Q", len(text)) + text, 0)
         os.ftruncate(fd, self.size)
+        self._out = DirectFile(fd, self.size) if direct else None
+        self._put(struct.pack("<Q", len(text)) + text, 0)
+
+    @property
+    def direct(self) -> bool:
+        """Whether the writes bypass the page cache (asked for, and the filesystem allows it)."""
+        return self._out is not None and self._out.direct
+
+    def _put(self, data: bytes | memoryview, offset: int) -> None:
+        if self._out is not None:
+            self._out.pwrite(memoryview(data), offset)
+        else:
+            write_all(self._fd, data, offset)
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         offset, nbytes = self._at[name]
@@ -249,13 +262,17 @@ class TensorWriter:
         if t.numel() * t.element_size() != nbytes:
             raise DeltaError(f"tensor {name!r}: {t.numel() * t.element_size()} bytes where the layout has {nbytes}")
         if nbytes:
-            _write_all(self._fd, memoryview(t.reshape(-1).view(torch.uint8).numpy()), self._data + offset)
+            self._put(memoryview(t.reshape(-1).view(torch.uint8).numpy()), self._data + offset)
         with self._lock:
             self._pending.discard(name)
 
     def close(self) -> None:
         if self._pending:
+            if self._out is not None:
+                self._out.close()
             raise DeltaError(f"{len(self._pending)} tensor(s) never written, e.g. {sorted(self._pending)[0]!r}")
+        if self._out is not None:
+            self._out.finish()
 
 
 class Discard:
@@ -272,9 +289,3 @@ class Discard:
     def close(self) -> None:
         pass
 
-
-def _write_all(fd: int, data: bytes | memoryview, offset: int) -> None:
-    view = memoryview(data).cast("B")
-    done = 0
-    while done < len(view):
-        done += os.pwrite(fd, view[done : done + _IO_CHUNK], offset + done)
