@@ -2,7 +2,8 @@
 
 - :func:`load_model` reads a local Hugging Face directory; weights are bf16 values, computed in
   fp32, in eval mode. Thread counts are left to the caller. :func:`skeleton_model` builds the
-  same model without its weights (parameters on ``meta``, buffers computed from the config).
+  same model without its weights (parameters on ``meta``; buffers computed from the config, the
+  persistent ones read from the directory's files).
 - :func:`generate` samples a batch (left padding, attention mask, KV cache) and returns, per
   prompt, the sampled token ids and the log-probability of each under the distribution it was
   drawn from (the processed distribution of ``flywheel.sampling``: logit bias, penalties,
@@ -56,13 +57,36 @@ def load_weights(path: str | Path) -> PreTrainedModel:
 
 def skeleton_model(path: str | Path) -> PreTrainedModel:
     """The model of a local directory as :func:`load_model` builds it (fp32, eval mode), with no
-    weights: every parameter on the ``meta`` device, nothing read but the config. Buffers (rotary
-    frequencies: computed from the config, never read) are real. What a training rank starts from
-    when it takes its weights from rank 0 or its own slices of a file (``trainer.distributed``)."""
+    weights: every parameter on the ``meta`` device. Buffers are real: computed from the config
+    (rotary frequencies), and the persistent ones the directory's safetensors files hold read
+    from them, as loading the directory would (a MoE router's ``e_score_correction_bias``, a
+    layer's scalar: trained values, not the config's initial ones). Nothing else is read. What a
+    training rank starts from when it takes its weights from rank 0 or its own slices of a file
+    (``trainer.distributed``)."""
     config = AutoConfig.from_pretrained(Path(path), local_files_only=True)
     with _parameters_on_meta():
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _read_persistent_buffers(model, Path(path))
     return model.float().eval()
+
+
+def _read_persistent_buffers(model: torch.nn.Module, path: Path) -> None:
+    """Copy into ``model`` the persistent buffers (in its ``state_dict``, not parameters) that the
+    ``*.safetensors`` files of ``path`` hold, cast to each buffer's dtype; a shape that differs is a
+    ``ValueError``."""
+    persistent = {name for name, _ in model.named_buffers()} & set(model.state_dict(keep_vars=True))
+    if not persistent:
+        return
+    from safetensors import safe_open
+
+    with torch.no_grad():
+        for file in sorted(path.glob("*.safetensors")):
+            with safe_open(file, framework="pt") as handle:
+                for name in persistent & set(handle.keys()):
+                    value, buffer = handle.get_tensor(name), model.get_buffer(name)
+                    if tuple(value.shape) != tuple(buffer.shape):
+                        raise ValueError(f"{name}: shape {tuple(value.shape)} in {file}, {tuple(buffer.shape)} in the model")
+                    buffer.copy_(value)
 
 
 _ON_META = threading.Lock()
