@@ -93,3 +93,35 @@ def test_a_direct_write_refused_halfway_falls_back_to_the_page_cache(tmp_path: P
         pytest.skip("no O_DIRECT on this platform")
     assert calls[0] >= 3 and not out.direct
     assert (tmp_path / "f").read_bytes() == b"".join(data for _, data in parts)
+
+
+def test_a_device_error_is_raised_not_taken_for_a_refusal(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only EINVAL (a misaligned write refused) falls back to the page cache; a device error (EIO,
+    injected on the direct descriptor) reaches the caller, who discards the file."""
+    direct_fds: set[int] = set()
+    real_open, real_pwrite = directio.open_direct, os.pwrite
+
+    def tracked_open(fd: int) -> int | None:
+        got = real_open(fd)
+        if got is not None:
+            direct_fds.add(got)
+        return got
+
+    def failing(fd: int, data: memoryview, offset: int) -> int:
+        if fd in direct_fds:
+            raise OSError(errno.EIO, "Input/output error")
+        return real_pwrite(fd, data, offset)
+
+    monkeypatch.setattr(directio, "open_direct", tracked_open)
+    monkeypatch.setattr(directio.os, "pwrite", failing)
+    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        out = DirectFile(fd, 4 * BLOCK)
+        if not direct_fds:
+            pytest.skip("no O_DIRECT on this platform")
+        with pytest.raises(OSError, match="Input/output"):
+            out.pwrite(memoryview(bytes(4 * BLOCK)), 0)
+        assert out.direct  # not a fallback
+        out.close()
+    finally:
+        os.close(fd)
