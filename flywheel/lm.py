@@ -10,10 +10,12 @@
   temperature, min-p, top-k, top-p), which is what importance-sampling corrections need.
   Generation stops after ``eos_token_id`` (included) or ``max_new_tokens``. A temperature
   below 1e-5 means greedy decoding, with log-probability 0 (the distribution is a point mass).
-- :func:`export_state` / :func:`load_state`: the model's weights as a flat name -> bf16 tensor
-  dict, the thing versions are made of. Names are ``model.named_parameters()``, so tied weights
-  appear once, under their first name (``model.embed_tokens.weight``; ``lm_head.weight`` is left
-  out when tied). Buffers (rotary frequencies) are not weights and are not exported.
+- :func:`export_state` / :func:`load_state`: the model's weights as a flat name -> tensor dict,
+  the thing versions are made of. Parameters as bf16, under ``model.named_parameters()`` names, so
+  tied weights appear once, under their first name (``model.embed_tokens.weight``;
+  ``lm_head.weight`` is left out when tied); and the buffers a checkpoint holds
+  (:func:`persistent_buffers`) as the model holds them. Computed buffers (rotary frequencies) are
+  not exported.
 """
 
 from __future__ import annotations
@@ -71,19 +73,18 @@ def skeleton_model(path: str | Path) -> PreTrainedModel:
 
 
 def _read_persistent_buffers(model: torch.nn.Module, path: Path) -> None:
-    """Copy into ``model`` the persistent buffers (in its ``state_dict``, not parameters) that the
-    ``*.safetensors`` files of ``path`` hold, cast to each buffer's dtype; a shape that differs is a
-    ``ValueError``."""
-    persistent = {name for name, _ in model.named_buffers()} & set(model.state_dict(keep_vars=True))
-    if not persistent:
+    """Copy into ``model`` the :func:`persistent_buffers` that the ``*.safetensors`` files of
+    ``path`` hold, cast to each buffer's dtype; a shape that differs is a ``ValueError``."""
+    buffers = persistent_buffers(model)
+    if not buffers:
         return
     from safetensors import safe_open
 
     with torch.no_grad():
         for file in sorted(path.glob("*.safetensors")):
             with safe_open(file, framework="pt") as handle:
-                for name in persistent & set(handle.keys()):
-                    value, buffer = handle.get_tensor(name), model.get_buffer(name)
+                for name in buffers.keys() & set(handle.keys()):
+                    value, buffer = handle.get_tensor(name), buffers[name]
                     if tuple(value.shape) != tuple(buffer.shape):
                         raise ValueError(f"{name}: shape {tuple(value.shape)} in {file}, {tuple(buffer.shape)} in the model")
                     buffer.copy_(value)
@@ -221,22 +222,35 @@ def token_logprobs(model: PreTrainedModel, tokens: list[int]) -> list[float]:
     return logp.gather(-1, ids[0, 1:, None]).squeeze(-1).tolist()
 
 
+def persistent_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The buffers a checkpoint holds (in the ``state_dict``, not parameters): trained values some
+    models keep outside their parameters (Gemma 4's ``layer_scalar``, a MoE router's
+    ``e_score_correction_bias``); not the computed ones (rotary frequencies)."""
+    params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    names = set(model.state_dict(keep_vars=True)) - params
+    return {name: b for name, b in model.named_buffers() if name in names}
+
+
 def export_state(model: PreTrainedModel) -> dict[str, torch.Tensor]:
-    """bf16, contiguous CPU copies of the model's parameters (tied weights once)."""
-    return {
-        name: p.detach().to(device="cpu", dtype=torch.bfloat16).contiguous()
-        for name, p in model.named_parameters()
-    }
+    """Contiguous CPU copies of the model's parameters as bf16 (tied weights once) and of its
+    :func:`persistent_buffers` as it holds them (never trained: kept exactly, as the checkpoint a
+    node serves has them, so a version loads where its base did)."""
+    state = {name: p.detach().to(device="cpu", dtype=torch.bfloat16).contiguous() for name, p in model.named_parameters()}
+    state.update({name: b.detach().to("cpu", copy=True).contiguous() for name, b in persistent_buffers(model).items()})
+    return state
 
 
 @torch.no_grad()
 def load_state(model: PreTrainedModel, state: dict[str, torch.Tensor]) -> None:
-    """Copy ``state`` (as produced by :func:`export_state`) into the model, in place."""
+    """Copy ``state`` (as produced by :func:`export_state`) into the model, in place: every
+    parameter, and those of its :func:`persistent_buffers` the state holds (a state written before
+    versions carried them has none; a model folder's files have them all)."""
     params = dict(model.named_parameters())
-    missing, unexpected = params.keys() - state.keys(), state.keys() - params.keys()
+    buffers = persistent_buffers(model)
+    missing, unexpected = params.keys() - state.keys(), state.keys() - params.keys() - buffers.keys()
     if missing or unexpected:
         raise KeyError(f"state does not match the model: missing {sorted(missing)}, unexpected {sorted(unexpected)}")
-    for name, p in params.items():
+    for name, p in [*params.items(), *((n, b) for n, b in buffers.items() if n in state)]:
         src = state[name]
         if src.shape != p.shape:
             raise ValueError(f"{name}: shape {tuple(src.shape)} does not match the model's {tuple(p.shape)}")

@@ -76,7 +76,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel
 
-from flywheel.lm import load_state, load_weights, skeleton_model
+from flywheel.lm import load_state, load_weights, persistent_buffers, skeleton_model
 from flywheel.weights.codec.tensorfile import TensorFiles
 from trainer.batch import Batch
 
@@ -333,16 +333,18 @@ class Dist:
 
     def load_full_state(self, model: torch.nn.Module, state: Mapping[str, torch.Tensor]) -> None:
         """Load a :meth:`full_state_dict` (or a bf16 export with the same names, cast to the
-        master dtype) held by rank 0 into the wrapped model; every rank calls it, the others'
-        ``state`` is ignored. Names and shapes must match (``KeyError``/``ValueError`` otherwise;
-        raised on rank 0, which ends the job: torchrun stops the other ranks)."""
+        master dtype; its persistent buffers too, where it has them) held by rank 0 into the
+        wrapped model; every rank calls it, the others' ``state`` is ignored. Names and shapes must
+        match (``KeyError``/``ValueError`` otherwise; raised on rank 0, which ends the job:
+        torchrun stops the other ranks)."""
         if not self.enabled:
             load_state(unwrap(model), dict(state))
             return
         full: dict[str, torch.Tensor] = {}
         if self.is_main:
             params = dict(unwrap(model).named_parameters())
-            missing, unexpected = params.keys() - state.keys(), state.keys() - params.keys()
+            buffers = persistent_buffers(unwrap(model))  # an export's: sent with the parameters
+            missing, unexpected = params.keys() - state.keys(), state.keys() - params.keys() - buffers.keys()
             if missing or unexpected:
                 raise KeyError(f"state does not match the model: missing {sorted(missing)}, unexpected {sorted(unexpected)}")
             first = {id(p): name for name, p in params.items()}
@@ -351,6 +353,11 @@ class Dist:
                 if tuple(src.shape) != tuple(p.shape):
                     raise ValueError(f"{name}: shape {tuple(src.shape)} does not match the model's {tuple(p.shape)}")
                 full[name] = src.to(p.dtype)
+            for name in buffers.keys() & state.keys():
+                if tuple(state[name].shape) != tuple(buffers[name].shape):
+                    raise ValueError(f"{name}: shape {tuple(state[name].shape)} does not match the model's "
+                                     f"{tuple(buffers[name].shape)}")
+                full[name] = state[name].to(buffers[name].dtype)
         options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
         set_model_state_dict(model, full, options=options)
 

@@ -8,7 +8,8 @@
   so a checkpoint resumes exactly. What a version is depends on ``trainer.lora_publish``:
 
   - ``merged``: the merged bf16 export, ``W + scale * B @ A`` under the base model's parameter
-    names, so every node and engine serves it as plain weights. Starting from a published version
+    names (and the persistent buffers, as ``flywheel.lm.export_state`` has them), so every node
+    and engine serves it as plain weights. Starting from a published version
     loads it as the frozen base, with the adapters at zero.
   - ``adapter``: the adapter state only, bf16, under the names ``peft.get_peft_model_state_dict``
     gives (``base_model.model.<module>.lora_A.weight`` / ``.lora_B.weight``: what PEFT saves in
@@ -29,7 +30,7 @@ from typing import Any
 
 import torch
 
-from flywheel.lm import export_state, load_state
+from flywheel.lm import export_state, load_state, persistent_buffers
 from flywheel.settings import TrainerSettings
 
 _PEFT_PREFIX = "base_model.model."
@@ -85,7 +86,10 @@ class Policy:
                 if isinstance(module, LoraLayer):
                     key = _base_name(name) + ".weight"
                     out[key] = module.base_layer.weight + module.get_delta_weight("default").to(out[key].dtype)
-            return {k: v.detach().to(device="cpu", dtype=torch.bfloat16).contiguous() for k, v in out.items()}
+            state = {k: v.detach().to(device="cpu", dtype=torch.bfloat16).contiguous() for k, v in out.items()}
+            state.update({_base_name(n): b.detach().to("cpu", copy=True).contiguous()  # as export_state
+                          for n, b in persistent_buffers(self.model).items()})
+            return state
 
     def load_published(self, state: dict[str, Any]) -> None:
         """Start from a published version: its weights (base names; LoRA adapters start at zero),
@@ -97,11 +101,12 @@ class Policy:
             self._load_adapter(state)
             return
         params = {_base_name(n): p for n, p in self.model.named_parameters() if ".lora_" not in n}
-        missing, unexpected = params.keys() - state.keys(), state.keys() - params.keys()
+        buffers = {_base_name(n): b for n, b in persistent_buffers(self.model).items()}
+        missing, unexpected = params.keys() - state.keys(), state.keys() - params.keys() - buffers.keys()
         if missing or unexpected:
             raise KeyError(f"state does not match the model: missing {sorted(missing)}, unexpected {sorted(unexpected)}")
         with torch.no_grad():
-            for name, p in params.items():
+            for name, p in [*params.items(), *((n, b) for n, b in buffers.items() if n in state)]:
                 p.copy_(state[name])
             for name, p in self.model.named_parameters():
                 if ".lora_B." in name:

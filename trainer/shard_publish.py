@@ -8,7 +8,8 @@ without any process holding the whole state:
    FSDP2 shards of each parameter are rounded to bf16 where they are, all-gathered one tensor at a
    time and written by the owner only, into a file of its own (``workdir``), so a rank holds one
    bf16 tensor in flight beyond its training state (under DDP every rank has every tensor
-   already). Its previous shard (the next delta's base) is a file there too: no shard of the
+   already); the persistent buffers (``flywheel.lm.persistent_buffers``, whole on every rank)
+   are written as held by their owners. Its previous shard (the next delta's base) is a file there too: no shard of the
    export is ever held in memory.
 2. Rank 0 plans the version (one small broadcast): a random token for the shard keys and the kind,
    ``delta`` when the registry allows it on ``parent`` and the ranks' previous shards (their hashes
@@ -47,6 +48,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from flywheel.lm import persistent_buffers
 from flywheel.weights.codec.state import combine_digests
 from flywheel.weights.codec.streaming import tensor_entries
 from flywheel.weights.codec.tensorfile import TensorReader, TensorWriter
@@ -68,11 +70,14 @@ class ShardedPublisher:
         if dist.is_main and registry is None:
             raise ValueError("rank 0 publishes through the registry")
         self.dist, self.store, self.model_line, self.registry = dist, store, model_line, registry
+        buffers = persistent_buffers(unwrap(model))  # in the export as held, not sharded: whole on every rank
         sizes = {name: p.numel() * 2 for name, p in unwrap(model).named_parameters()}  # bf16 bytes
+        sizes.update({name: b.numel() * b.element_size() for name, b in buffers.items()})
         #: The rank that owns each tensor of the export (the same map on every rank).
         self.owner = owners(sizes, dist.world_size)
-        self._layout = [(name, torch.bfloat16, tuple(p.shape)) for name, p in unwrap(model).named_parameters()
-                        if self.owner[name] == dist.rank]
+        layout = [(name, torch.bfloat16, tuple(p.shape)) for name, p in unwrap(model).named_parameters()]
+        layout += [(name, b.dtype, tuple(b.shape)) for name, b in buffers.items()]
+        self._layout = [entry for entry in layout if self.owner[entry[0]] == dist.rank]
         self.dir = Path(workdir) / f"rank-{dist.rank:04d}"
         shutil.rmtree(self.dir, ignore_errors=True)  # a killed run's files: never a base
         self.dir.mkdir(parents=True)
@@ -98,6 +103,9 @@ class ShardedPublisher:
                     if self.owner[name] == self.dist.rank:
                         writer.write(name, t.cpu())
                     del t
+                for name, b in persistent_buffers(unwrap(model)).items():
+                    if self.owner[name] == self.dist.rank:
+                        writer.write(name, b.detach().cpu())
             writer.close()
         finally:
             os.close(fd)

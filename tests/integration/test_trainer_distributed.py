@@ -203,37 +203,3 @@ def test_a_model_without_weights_reads_them_from_files(tiny_model_dir: Path, tmp
     with pytest.raises(FileNotFoundError, match=r"filesystem they share"):
         SINGLE.wrap(skeleton_model(tiny_model_dir), [tmp_path / "on-another-host.safetensors"])
 
-
-def test_a_checkpoints_persistent_buffers_reach_a_model_without_weights(tmp_path: Path) -> None:
-    """Gemma 4's per-layer ``layer_scalar`` is a persistent buffer: in the checkpoint, a trained
-    value, not a parameter (as a MoE router's ``e_score_correction_bias`` is). A model without
-    weights (``lm.skeleton_model``, then its parameters read from the files) starts with the
-    checkpoint's values, as loading the folder does, not the config's initial ones."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from flywheel.lm import load_weights, skeleton_model
-    from flywheel.weights.codec.tensorfile import weight_files
-    from trainer.distributed import SINGLE
-
-    config = AutoConfig.for_model("gemma4_text", hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                                  num_key_value_heads=2, head_dim=16, intermediate_size=64, vocab_size=64,
-                                  vocab_size_per_layer_input=64, hidden_size_per_layer_input=8)
-    torch.manual_seed(0)
-    built = AutoModelForCausalLM.from_config(config)
-    parameters = {n for n, _ in built.named_parameters()}
-    persistent = {n: b for n, b in built.named_buffers() if n in built.state_dict() and n not in parameters}
-    assert persistent, "the model has no persistent buffer: the test would prove nothing"
-    initial = {n: b.clone() for n, b in persistent.items()}
-    with torch.no_grad():
-        for b in persistent.values():
-            b.copy_(torch.randn(b.shape))
-    assert not any(torch.equal(initial[n], b) for n, b in persistent.items())
-    built.save_pretrained(tmp_path / "model")
-
-    whole = load_weights(tmp_path / "model")
-    model = SINGLE.wrap(skeleton_model(tmp_path / "model"), weight_files(tmp_path / "model"))
-    want = whole.state_dict()
-    got = model.state_dict()
-    assert set(got) == set(want)
-    assert {n: torch.equal(got[n], want[n]) for n in want} == {n: True for n in want}
-    assert all(torch.equal(got[n], b) for n, b in persistent.items())
