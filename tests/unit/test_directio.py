@@ -45,6 +45,32 @@ def write(path: Path, parts: list[tuple[int, bytes]], size: int) -> DirectFile:
     return out
 
 
+def faulty_direct_writes(monkeypatch: pytest.MonkeyPatch, fault: int, after: int = 1) -> list[int]:
+    """From the ``after``-th direct write on, the kernel answers ``fault`` (an errno) to every write
+    through a descriptor :func:`directio.open_direct` opened; returns the count of direct writes
+    tried, ``[n]`` (0: the platform has no O_DIRECT)."""
+    direct_fds: set[int] = set()
+    real_open, real_pwrite = directio.open_direct, os.pwrite
+    calls = [0]
+
+    def tracked_open(fd: int) -> int | None:
+        got = real_open(fd)
+        if got is not None:
+            direct_fds.add(got)
+        return got
+
+    def faulty(fd: int, data: memoryview, offset: int) -> int:
+        if fd in direct_fds:
+            calls[0] += 1
+            if calls[0] >= after:
+                raise OSError(fault, os.strerror(fault))
+        return real_pwrite(fd, data, offset)
+
+    monkeypatch.setattr(directio, "open_direct", tracked_open)
+    monkeypatch.setattr(directio.os, "pwrite", faulty)
+    return calls
+
+
 @pytest.mark.parametrize("size", [1, BLOCK - 5, BLOCK, 5 * BLOCK + 17, 4 * directio._STAGE + 3 * BLOCK + 11])
 def test_scattered_writes_give_exactly_their_bytes(tmp_path: Path, size: int) -> None:
     rng = random.Random(size)
@@ -67,29 +93,11 @@ def test_a_direct_write_refused_halfway_falls_back_to_the_page_cache(tmp_path: P
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """The kernel answers EINVAL to a direct write it cannot align (a device with bigger blocks
     than :data:`BLOCK`): injected on the third direct write; the rest goes through the page cache."""
-    direct_fds: set[int] = set()
-    real_open, real_pwrite = directio.open_direct, os.pwrite
-    calls = [0]
-
-    def tracked_open(fd: int) -> int | None:
-        got = real_open(fd)
-        if got is not None:
-            direct_fds.add(got)
-        return got
-
-    def refusing(fd: int, data: memoryview, offset: int) -> int:
-        if fd in direct_fds:
-            calls[0] += 1
-            if calls[0] >= 3:
-                raise OSError(errno.EINVAL, "Invalid argument")
-        return real_pwrite(fd, data, offset)
-
-    monkeypatch.setattr(directio, "open_direct", tracked_open)
-    monkeypatch.setattr(directio.os, "pwrite", refusing)
+    calls = faulty_direct_writes(monkeypatch, errno.EINVAL, after=3)
     size = 40 * BLOCK + 333
     parts = pieces(random.Random(1), size)
     out = write(tmp_path / "f", parts, size)
-    if not direct_fds:
+    if not calls[0]:
         pytest.skip("no O_DIRECT on this platform")
     assert calls[0] >= 3 and not out.direct
     assert (tmp_path / "f").read_bytes() == b"".join(data for _, data in parts)
@@ -98,30 +106,15 @@ def test_a_direct_write_refused_halfway_falls_back_to_the_page_cache(tmp_path: P
 def test_a_device_error_is_raised_not_taken_for_a_refusal(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Only EINVAL (a misaligned write refused) falls back to the page cache; a device error (EIO,
     injected on the direct descriptor) reaches the caller, who discards the file."""
-    direct_fds: set[int] = set()
-    real_open, real_pwrite = directio.open_direct, os.pwrite
-
-    def tracked_open(fd: int) -> int | None:
-        got = real_open(fd)
-        if got is not None:
-            direct_fds.add(got)
-        return got
-
-    def failing(fd: int, data: memoryview, offset: int) -> int:
-        if fd in direct_fds:
-            raise OSError(errno.EIO, "Input/output error")
-        return real_pwrite(fd, data, offset)
-
-    monkeypatch.setattr(directio, "open_direct", tracked_open)
-    monkeypatch.setattr(directio.os, "pwrite", failing)
+    calls = faulty_direct_writes(monkeypatch, errno.EIO)
     fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT, 0o644)
     try:
         out = DirectFile(fd, 4 * BLOCK)
-        if not direct_fds:
+        if not out.direct:
             pytest.skip("no O_DIRECT on this platform")
         with pytest.raises(OSError, match="Input/output"):
             out.pwrite(memoryview(bytes(4 * BLOCK)), 0)
-        assert out.direct  # not a fallback
+        assert calls[0] == 1 and out.direct  # not a fallback
         out.close()
     finally:
         os.close(fd)
