@@ -32,6 +32,7 @@ import torch
 
 from flywheel.lm import export_state, load_state, persistent_buffers
 from flywheel.settings import TrainerSettings
+from flywheel.weights.codec.state import state_sha256
 
 _PEFT_PREFIX = "base_model.model."
 
@@ -90,6 +91,17 @@ class Policy:
             state.update({_base_name(n): b.detach().to("cpu", copy=True).contiguous()  # as export_state
                           for n, b in persistent_buffers(self.model).items()})
             return state
+
+    def exports(self, sha256: str) -> bool:
+        """Whether :meth:`export` is the version whose state hash is ``sha256``: with its persistent
+        buffers, or without them for a version published before versions carried them (a restart
+        across that upgrade finds its own version so)."""
+        state = self.export()
+        if state_sha256(state) == sha256:
+            return True
+        held = list(persistent_buffers(self.model))
+        without = {k: v for k, v in state.items() if not any(n == k or n.endswith("." + k) for n in held)}
+        return len(without) < len(state) and state_sha256(without) == sha256
 
     def load_published(self, state: dict[str, Any]) -> None:
         """Start from a published version: its weights (base names; LoRA adapters start at zero),

@@ -112,7 +112,6 @@ from flywheel.health import Beat
 from flywheel.lm import load_weights, skeleton_model
 from flywheel.settings import Settings, TrainerSettings
 from flywheel.tombstones import Tombstones
-from flywheel.weights.codec.state import state_sha256
 from flywheel.weights.codec.tensorfile import weight_files
 from flywheel.weights.files import rebuild_file
 from flywheel.weights.registry import Registry, State, VersionInfo
@@ -263,7 +262,7 @@ def _train(settings: Settings, stop: threading.Event, dist: Dist) -> None:
             info = checkpoint.find_published(registry, resumed)
             if info is None:  # the crash came between checkpoint and publish: publish it now
                 info = publish(registry, exporter.export(), resumed, registry.load(resumed.parent))
-            elif info.sha256 != state_sha256(exporter.export()):
+            elif not exporter.exports(info.sha256):
                 raise checkpoint.CheckpointError(f"v{info.version} carries the checkpoint's token but not its weights")
             published = exporter.export()
         current = info.version

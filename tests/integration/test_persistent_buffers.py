@@ -113,3 +113,21 @@ def test_a_merged_lora_policy_starts_from_and_publishes_the_buffers(tmp_path: Pa
     merged = policy.export()
     assert all(torch.equal(merged[n], value) for n, value in trained.items())
     assert merged.keys() == export_state(load_weights(tmp_path / "model")).keys()
+
+
+def test_a_restart_finds_its_version_published_before_versions_carried_the_buffers(tmp_path: Path) -> None:
+    """A trainer restarted from a checkpoint checks that the version carrying its token is its
+    export. A version published before exports carried the buffers (parameters only) still counts;
+    other weights do not."""
+    from flywheel.settings import TrainerSettings
+    from trainer.policy import Policy
+
+    trained = gemma_folder(tmp_path / "model")
+    policy = Policy(load_weights(tmp_path / "model"), TrainerSettings())
+    exported = policy.export()
+    params_only = {k: v for k, v in exported.items() if k not in trained}
+    assert len(params_only) < len(exported)
+    assert policy.exports(state_sha256(exported)) and policy.exports(state_sha256(params_only))
+    nudged = {**params_only, next(iter(params_only)): next(iter(params_only.values())) + 1}
+    assert not policy.exports(state_sha256(nudged))
+    assert not policy.exports(state_sha256({k: v for k, v in exported.items() if k != next(iter(params_only))}))
