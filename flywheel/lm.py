@@ -74,20 +74,23 @@ def skeleton_model(path: str | Path) -> PreTrainedModel:
 
 def _read_persistent_buffers(model: torch.nn.Module, path: Path) -> None:
     """Copy into ``model`` the :func:`persistent_buffers` that the ``*.safetensors`` files of
-    ``path`` hold, cast to each buffer's dtype; a shape that differs is a ``ValueError``."""
+    ``path`` hold, cast to each buffer's dtype; a shape that differs is a ``ValueError``. A folder
+    without safetensors files leaves them as computed (rank 0's are sent to the others then)."""
+    from flywheel.weights.codec.tensorfile import TensorFiles, weight_files
+
     buffers = persistent_buffers(model)
     if not buffers:
         return
-    from safetensors import safe_open
-
-    with torch.no_grad():
-        for file in sorted(path.glob("*.safetensors")):
-            with safe_open(file, framework="pt") as handle:
-                for name in buffers.keys() & set(handle.keys()):
-                    value, buffer = handle.get_tensor(name), buffers[name]
-                    if tuple(value.shape) != tuple(buffer.shape):
-                        raise ValueError(f"{name}: shape {tuple(value.shape)} in {file}, {tuple(buffer.shape)} in the model")
-                    buffer.copy_(value)
+    try:
+        paths = weight_files(path)
+    except ValueError:
+        return
+    with TensorFiles(paths) as files, torch.no_grad():
+        for name in buffers.keys() & files.index.keys():
+            with files.view(name) as value:
+                if tuple(value.shape) != tuple(buffers[name].shape):
+                    raise ValueError(f"{name}: shape {tuple(value.shape)} in {path}, {tuple(buffers[name].shape)} in the model")
+                buffers[name].copy_(value)
 
 
 _ON_META = threading.Lock()
@@ -236,8 +239,14 @@ def export_state(model: PreTrainedModel) -> dict[str, torch.Tensor]:
     :func:`persistent_buffers` as it holds them (never trained: kept exactly, as the checkpoint a
     node serves has them, so a version loads where its base did)."""
     state = {name: p.detach().to(device="cpu", dtype=torch.bfloat16).contiguous() for name, p in model.named_parameters()}
-    state.update({name: b.detach().to("cpu", copy=True).contiguous() for name, b in persistent_buffers(model).items()})
+    state.update(buffer_state(model))
     return state
+
+
+def buffer_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Contiguous CPU copies of the model's :func:`persistent_buffers`, dtype kept: their part of
+    :func:`export_state`."""
+    return {name: b.detach().to("cpu", copy=True).contiguous() for name, b in persistent_buffers(model).items()}
 
 
 @torch.no_grad()

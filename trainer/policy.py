@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from flywheel.lm import export_state, load_state, persistent_buffers
+from flywheel.lm import buffer_state, export_state, load_state, persistent_buffers
 from flywheel.settings import TrainerSettings
 from flywheel.weights.codec.state import state_sha256
 
@@ -88,20 +88,18 @@ class Policy:
                     key = _base_name(name) + ".weight"
                     out[key] = module.base_layer.weight + module.get_delta_weight("default").to(out[key].dtype)
             state = {k: v.detach().to(device="cpu", dtype=torch.bfloat16).contiguous() for k, v in out.items()}
-            state.update({_base_name(n): b.detach().to("cpu", copy=True).contiguous()  # as export_state
-                          for n, b in persistent_buffers(self.model).items()})
+            state.update({_base_name(n): b for n, b in buffer_state(self.model).items()})
             return state
 
-    def exports(self, sha256: str) -> bool:
-        """Whether :meth:`export` is the version whose state hash is ``sha256``: with its persistent
-        buffers, or without them for a version published before versions carried them (a restart
-        across that upgrade finds its own version so)."""
-        state = self.export()
-        if state_sha256(state) == sha256:
+    def is_version(self, exported: dict[str, torch.Tensor], sha256: str) -> bool:
+        """Whether ``exported`` (this policy's :meth:`export`) is the version whose state hash is
+        ``sha256``: with its persistent buffers, or without them for a version published before
+        versions carried them (a restart across that upgrade finds its own version so)."""
+        if state_sha256(exported) == sha256:
             return True
-        held = list(persistent_buffers(self.model))
-        without = {k: v for k, v in state.items() if not any(n == k or n.endswith("." + k) for n in held)}
-        return len(without) < len(state) and state_sha256(without) == sha256
+        buffers = {_base_name(n) for n in persistent_buffers(self.model)}
+        without = {k: v for k, v in exported.items() if k not in buffers}
+        return len(without) < len(exported) and state_sha256(without) == sha256
 
     def load_published(self, state: dict[str, Any]) -> None:
         """Start from a published version: its weights (base names; LoRA adapters start at zero),

@@ -9,8 +9,8 @@ without any process holding the whole state:
    time and written by the owner only, into a file of its own (``workdir``), so a rank holds one
    bf16 tensor in flight beyond its training state (under DDP every rank has every tensor
    already); the persistent buffers (``flywheel.lm.persistent_buffers``, whole on every rank)
-   are written as held by their owners. Its previous shard (the next delta's base) is a file there too: no shard of the
-   export is ever held in memory.
+   are written as held by their owners. Its previous shard (the next delta's base) is a file
+   there too: no shard of the export is ever held in memory.
 2. Rank 0 plans the version (one small broadcast): a random token for the shard keys and the kind,
    ``delta`` when the registry allows it on ``parent`` and the ranks' previous shards (their hashes
    gathered as per-tensor entries, no tensor) compose to the parent's recorded hash, else ``full``

@@ -260,11 +260,11 @@ def _train(settings: Settings, stop: threading.Event, dist: Dist) -> None:
             info = adopted
         else:
             info = checkpoint.find_published(registry, resumed)
-            if info is None:  # the crash came between checkpoint and publish: publish it now
-                info = publish(registry, exporter.export(), resumed, registry.load(resumed.parent))
-            elif not exporter.exports(info.sha256):
-                raise checkpoint.CheckpointError(f"v{info.version} carries the checkpoint's token but not its weights")
             published = exporter.export()
+            if info is None:  # the crash came between checkpoint and publish: publish it now
+                info = publish(registry, published, resumed, registry.load(resumed.parent))
+            elif not exporter.is_version(published, info.sha256):
+                raise checkpoint.CheckpointError(f"v{info.version} carries the checkpoint's token but not its weights")
         current = info.version
         log.info("resumed from checkpoint at step %d as v%d (%d samples buffered)", step, current, len(buffer))
     window: list[dict[str, Any]] = []  # per-step metrics since the last published version

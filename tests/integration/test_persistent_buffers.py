@@ -127,7 +127,7 @@ def test_a_restart_finds_its_version_published_before_versions_carried_the_buffe
     exported = policy.export()
     params_only = {k: v for k, v in exported.items() if k not in trained}
     assert len(params_only) < len(exported)
-    assert policy.exports(state_sha256(exported)) and policy.exports(state_sha256(params_only))
+    assert policy.is_version(exported, state_sha256(exported)) and policy.is_version(exported, state_sha256(params_only))
     nudged = {**params_only, next(iter(params_only)): next(iter(params_only.values())) + 1}
-    assert not policy.exports(state_sha256(nudged))
-    assert not policy.exports(state_sha256({k: v for k, v in exported.items() if k != next(iter(params_only))}))
+    assert not policy.is_version(exported, state_sha256(nudged))
+    assert not policy.is_version(exported, state_sha256({k: v for k, v in exported.items() if k != next(iter(params_only))}))
