@@ -15,7 +15,8 @@
   tied weights appear once, under their first name (``model.embed_tokens.weight``;
   ``lm_head.weight`` is left out when tied); and the buffers a checkpoint holds
   (:func:`persistent_buffers`) as the model holds them. Computed buffers (rotary frequencies) are
-  not exported.
+  not exported. Where transformers lays a checkpoint out otherwise in the model (a mixture of
+  experts' fused experts), the names and shapes are the checkpoint's (``flywheel.weightnames``).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from transformers.utils import logging as hf_logging
 
 from flywheel.logprobs import processed_logprobs
 from flywheel.sampling import NEUTRAL, Processing
+from flywheel.weightnames import to_checkpoint, to_model
 
 hf_logging.disable_progress_bar()  # a server's log is no place for progress bars
 
@@ -237,10 +239,11 @@ def persistent_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def export_state(model: PreTrainedModel) -> dict[str, torch.Tensor]:
     """Contiguous CPU copies of the model's parameters as bf16 (tied weights once) and of its
     :func:`persistent_buffers` as it holds them (never trained: kept exactly, as the checkpoint a
-    node serves has them, so a version loads where its base did)."""
-    state = {name: p.detach().to(device="cpu", dtype=torch.bfloat16).contiguous() for name, p in model.named_parameters()}
+    node serves has them, so a version loads where its base did), under the checkpoint's names
+    (``flywheel.weightnames.to_checkpoint``: one tensor per expert where the model fuses them)."""
+    state = {name: p.detach().to(device="cpu", dtype=torch.bfloat16) for name, p in model.named_parameters()}
     state.update(buffer_state(model))
-    return state
+    return {name: t.contiguous() for name, t in to_checkpoint(model, state).items()}
 
 
 def buffer_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -253,7 +256,10 @@ def buffer_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def load_state(model: PreTrainedModel, state: dict[str, torch.Tensor]) -> None:
     """Copy ``state`` (as produced by :func:`export_state`) into the model, in place: every
     parameter, and those of its :func:`persistent_buffers` the state holds (a state written before
-    versions carried them has none; a model folder's files have them all)."""
+    versions carried them has none; a model folder's files have them all). Names and shapes are
+    the checkpoint's or the model's own (``flywheel.weightnames.to_model``: a trainer's fp32
+    master state has the model's)."""
+    state = to_model(model, state)
     params = dict(model.named_parameters())
     buffers = persistent_buffers(model)
     missing, unexpected = params.keys() - state.keys(), state.keys() - params.keys() - buffers.keys()

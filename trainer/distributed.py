@@ -57,7 +57,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TypeVar
@@ -77,6 +77,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel
 
 from flywheel.lm import load_state, load_weights, persistent_buffers, skeleton_model
+from flywheel.weightnames import pieces, to_model
 from flywheel.weights.codec.tensorfile import TensorFiles
 from trainer.batch import Batch
 
@@ -342,6 +343,7 @@ class Dist:
             return
         full: dict[str, torch.Tensor] = {}
         if self.is_main:
+            state = to_model(unwrap(model), state)  # an export's checkpoint names: the model's
             params = dict(unwrap(model).named_parameters())
             buffers = persistent_buffers(unwrap(model))  # an export's: sent with the parameters
             missing, unexpected = params.keys() - state.keys(), state.keys() - params.keys() - buffers.keys()
@@ -453,21 +455,45 @@ def _read_rows(model: torch.nn.Module, paths: Sequence[str | Path]) -> None:
     """Copy into each parameter of ``model`` what this rank holds of it (all of a plain tensor; a
     DTensor ``Shard(0)`` shard's rows) from the safetensors files ``paths``, which must hold every
     parameter by name with its shape (``KeyError``/``ValueError`` otherwise); values are cast to
-    the parameter's dtype (a bf16 version into the fp32 master)."""
+    the parameter's dtype (a bf16 version into the fp32 master). A parameter the files hold under
+    the checkpoint's names and layout instead (``flywheel.weightnames``: a mixture of experts'
+    per-expert tensors) is put together from them whole, one parameter at a time, and its rows
+    taken from that."""
     missing = [os.fspath(p) for p in paths if not os.path.exists(p)]
     if missing:  # another host's file: the folder is not shared
         raise FileNotFoundError(f"this rank cannot see {missing}: every rank reads its rows of the same files, "
                                 "so ranks on several hosts need them on a filesystem they share")
     with TensorFiles(list(paths)) as files, torch.no_grad():
         for name, param in model.named_parameters():
-            info = files.index.get(name)
-            if info is None:
-                raise KeyError(f"{name} is not in {[os.fspath(p) for p in paths]}")
-            if tuple(info.shape) != tuple(param.shape):
-                raise ValueError(f"{name}: shape {tuple(info.shape)} in the file, {tuple(param.shape)} in the model")
             local, start = _local_rows(name, param)
-            with files.view(name) as whole:
+            with _whole(model, name, param, files, paths) as whole:
                 local.copy_(whole if start is None else whole[start:start + local.shape[0]])
+
+
+@contextlib.contextmanager
+def _whole(model: torch.nn.Module, name: str, param: torch.Tensor, files: TensorFiles,
+           paths: Sequence[str | Path]) -> Iterator[torch.Tensor]:
+    """The whole of parameter ``name`` as ``files`` hold it: a view of its tensor, or the model's
+    tensor put together from the checkpoint's pieces of it (``to_model``)."""
+    sources = [name] if name in files.index else list(pieces(model, name, param.shape, param.dtype))
+    absent = [s for s in sources if s not in files.index]
+    if absent:
+        raise KeyError(f"{absent[0]} is not in {[os.fspath(p) for p in paths]}")
+    if sources == [name]:
+        info = files.index[name]
+        if tuple(info.shape) != tuple(param.shape):
+            raise ValueError(f"{name}: shape {tuple(info.shape)} in the file, {tuple(param.shape)} in the model")
+        with files.view(name) as whole:
+            yield whole
+        return
+    with contextlib.ExitStack() as views:
+        held = {s: views.enter_context(files.view(s)) for s in sources}
+        whole = to_model(model, held)[name]
+        if tuple(whole.shape) != tuple(param.shape):
+            raise ValueError(f"{name}: shape {tuple(whole.shape)} from the files' {sources[:2]}..., "
+                             f"{tuple(param.shape)} in the model")
+        del held
+        yield whole
 
 
 def _local_rows(name: str, param: torch.Tensor) -> tuple[torch.Tensor, int | None]:

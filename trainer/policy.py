@@ -8,7 +8,8 @@
   so a checkpoint resumes exactly. What a version is depends on ``trainer.lora_publish``:
 
   - ``merged``: the merged bf16 export, ``W + scale * B @ A`` under the base model's parameter
-    names (and the persistent buffers, as ``flywheel.lm.export_state`` has them), so every node
+    names (and the persistent buffers, as ``flywheel.lm.export_state`` has them; the checkpoint's
+    names where transformers fuses a mixture of experts' tensors), so every node
     and engine serves it as plain weights. Starting from a published version
     loads it as the frozen base, with the adapters at zero.
   - ``adapter``: the adapter state only, bf16, under the names ``peft.get_peft_model_state_dict``
@@ -32,6 +33,7 @@ import torch
 
 from flywheel.lm import buffer_state, export_state, load_state, persistent_buffers
 from flywheel.settings import TrainerSettings
+from flywheel.weightnames import to_checkpoint, to_model
 from flywheel.weights.codec.state import state_sha256
 
 _PEFT_PREFIX = "base_model.model."
@@ -87,9 +89,9 @@ class Policy:
                 if isinstance(module, LoraLayer):
                     key = _base_name(name) + ".weight"
                     out[key] = module.base_layer.weight + module.get_delta_weight("default").to(out[key].dtype)
-            state = {k: v.detach().to(device="cpu", dtype=torch.bfloat16).contiguous() for k, v in out.items()}
+            state = {k: v.detach().to(device="cpu", dtype=torch.bfloat16) for k, v in out.items()}
             state.update({_base_name(n): b for n, b in buffer_state(self.model).items()})
-            return state
+            return {k: v.contiguous() for k, v in to_checkpoint(self.model.get_base_model(), state).items()}
 
     def is_version(self, exported: dict[str, torch.Tensor], sha256: str) -> bool:
         """Whether ``exported`` (this policy's :meth:`export`) is the version whose state hash is
@@ -110,6 +112,7 @@ class Policy:
         if self.adapter:
             self._load_adapter(state)
             return
+        state = to_model(self.model.get_base_model(), state)
         params = {_base_name(n): p for n, p in self.model.named_parameters() if ".lora_" not in n}
         buffers = {_base_name(n): b for n, b in persistent_buffers(self.model).items()}
         missing, unexpected = params.keys() - state.keys(), state.keys() - params.keys() - buffers.keys()

@@ -8,9 +8,11 @@ without any process holding the whole state:
    FSDP2 shards of each parameter are rounded to bf16 where they are, all-gathered one tensor at a
    time and written by the owner only, into a file of its own (``workdir``), so a rank holds one
    bf16 tensor in flight beyond its training state (under DDP every rank has every tensor
-   already); the persistent buffers (``flywheel.lm.persistent_buffers``, whole on every rank)
-   are written as held by their owners. Its previous shard (the next delta's base) is a file
-   there too: no shard of the export is ever held in memory.
+   already), under the checkpoint's names (a fused tensor of experts is written as the files
+   hold it, one tensor per expert: ``flywheel.weightnames``); the persistent buffers
+   (``flywheel.lm.persistent_buffers``, whole on every rank) are written as held by their owners.
+   Its previous shard (the next delta's base) is a file there too: no shard of the export is ever
+   held in memory.
 2. Rank 0 plans the version (one small broadcast): a random token for the shard keys and the kind,
    ``delta`` when the registry allows it on ``parent`` and the ranks' previous shards (their hashes
    gathered as per-tensor entries, no tensor) compose to the parent's recorded hash, else ``full``
@@ -49,6 +51,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from flywheel.lm import persistent_buffers
+from flywheel.weightnames import pieces, to_checkpoint
 from flywheel.weights.codec.state import combine_digests
 from flywheel.weights.codec.streaming import tensor_entries
 from flywheel.weights.codec.tensorfile import TensorReader, TensorWriter
@@ -73,11 +76,13 @@ class ShardedPublisher:
         buffers = persistent_buffers(unwrap(model))  # in the export as held, not sharded: whole on every rank
         sizes = {name: p.numel() * 2 for name, p in unwrap(model).named_parameters()}  # bf16 bytes
         sizes.update({name: b.numel() * b.element_size() for name, b in buffers.items()})
-        #: The rank that owns each tensor of the export (the same map on every rank).
+        #: The rank that owns each of the model's tensors (the same map on every rank); it writes
+        #: the export's tensors made of it (one per expert where the model fuses them).
         self.owner = owners(sizes, dist.world_size)
-        layout = [(name, torch.bfloat16, tuple(p.shape)) for name, p in unwrap(model).named_parameters()]
-        layout += [(name, b.dtype, tuple(b.shape)) for name, b in buffers.items()]
-        self._layout = [entry for entry in layout if self.owner[entry[0]] == dist.rank]
+        shapes = {name: (torch.bfloat16, p.shape) for name, p in unwrap(model).named_parameters()}
+        shapes.update({name: (b.dtype, b.shape) for name, b in buffers.items()})
+        self._layout = [(piece, *layout) for name, (dtype, shape) in shapes.items() if self.owner[name] == dist.rank
+                        for piece, layout in pieces(unwrap(model), name, shape, dtype).items()]
         self.dir = Path(workdir) / f"rank-{dist.rank:04d}"
         shutil.rmtree(self.dir, ignore_errors=True)  # a killed run's files: never a base
         self.dir.mkdir(parents=True)
@@ -101,14 +106,21 @@ class ShardedPublisher:
                     if isinstance(t, DTensor):
                         t = t.full_tensor()  # every rank, in the same order; only the owner keeps it
                     if self.owner[name] == self.dist.rank:
-                        writer.write(name, t.cpu())
+                        self._write(writer, model, name, t.cpu())
                     del t
                 for name, b in persistent_buffers(unwrap(model)).items():
                     if self.owner[name] == self.dist.rank:
-                        writer.write(name, b.detach().cpu())
+                        self._write(writer, model, name, b.detach().cpu())
             writer.close()
         finally:
             os.close(fd)
+
+    @staticmethod
+    def _write(writer: TensorWriter, model: torch.nn.Module, name: str, tensor: torch.Tensor) -> None:
+        """Write the model's tensor ``name`` as the export's tensors made of it (itself, or its
+        checkpoint pieces: ``flywheel.weightnames``)."""
+        for piece, t in to_checkpoint(unwrap(model), {name: tensor}).items():
+            writer.write(piece, t)
 
     def start(self, model: torch.nn.Module) -> None:
         """Take this rank's shard of the weights the model holds now (the version it was loaded
