@@ -2,7 +2,7 @@
 
 Each mode is its own ``torchrun --nproc_per_node N`` job on CPU (gloo, FSDP2), in the same run,
 on the same locally built Llama (``--size``: ``small`` ~106M parameters, ``medium`` ~0.44B,
-``tiny`` for tests; built from a config with a fixed seed, never downloaded). Every rank wraps the
+``tiny`` for tests, ``moe`` a tiny Qwen3-MoE; built from a config with a fixed seed, never downloaded). Every rank wraps the
 model, allocates AdamW's moments (what a training rank holds), and the job publishes v0 (a full
 version) and then, after a deterministic elementwise change of about one weight in eight (the same
 whatever the sharding), v1 as a delta on v0, into its own SQLite registry and folder store:
@@ -62,14 +62,22 @@ SIZES = {
              "num_attention_heads": 8},
     "tiny": {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
              "num_attention_heads": 4},
+    # A mixture of experts (Qwen3-MoE) whose fused experts a version holds one per expert, as its
+    # checkpoint does (flywheel/weightnames.py): the tests' check that the names survive sharding.
+    "moe": {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "moe_intermediate_size": 32, "num_experts": 6, "num_experts_per_tok": 2},
 }
 
 
 def build_model(size: str) -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     cfg = SIZES[size]
+    if "num_experts" in cfg:
+        moe = AutoConfig.for_model("qwen3_moe", **cfg, num_key_value_heads=cfg["num_attention_heads"], head_dim=16,
+                                   tie_word_embeddings=False, max_position_embeddings=256)
+        return AutoModelForCausalLM.from_config(moe).float().eval()
     config = LlamaConfig(**cfg, num_key_value_heads=cfg["num_attention_heads"], tie_word_embeddings=False,
                          max_position_embeddings=256)
     return LlamaForCausalLM(config).float().eval()
@@ -121,6 +129,7 @@ class FaultyStore:
 
 def worker(args: argparse.Namespace) -> None:
     from flywheel.db.session import make_engine, make_session_factory, upgrade
+    from flywheel.weightnames import to_checkpoint
     from flywheel.weights.codec.delta import encode_delta
     from flywheel.weights.codec.state import state_sha256
     from flywheel.weights.registry import Registry, WeightsError
@@ -158,7 +167,8 @@ def worker(args: argparse.Namespace) -> None:
             adam = dist.optimizer_state_dict(model, optimizer)
         info = None
         if dist.is_main:
-            export = {k: v.to(torch.bfloat16).contiguous() for k, v in master.items()}
+            export = {k: v.contiguous() for k, v in to_checkpoint(unwrap(model), {
+                k: v.to(torch.bfloat16) for k, v in master.items()}).items()}  # export_state's names
             del master
             assert registry is not None
             info = registry.publish(export, parent=parent, parent_state=published)
@@ -193,7 +203,8 @@ def worker(args: argparse.Namespace) -> None:
     if args.check:  # the same weights gathered and hashed whole: what the unsharded path publishes
         master = dist.full_state_dict(model)
         if dist.is_main:
-            result["gathered_sha256"] = state_sha256({k: v.to(torch.bfloat16) for k, v in master.items()})
+            result["gathered_sha256"] = state_sha256(to_checkpoint(unwrap(model), {
+                k: v.to(torch.bfloat16) for k, v in master.items()}))
         del master
     (root / f"rank{dist.rank}.json").write_text(json.dumps(result))
     if args.fault:  # v2: rank 1 loses its upload, or dies after it

@@ -6,7 +6,7 @@ or foreign shard and a tampered manifest are refused, and garbage collection rem
 Under torchrun (2 gloo ranks, FSDP2, bench/sharded_publish.py's worker on a small, deep Llama): a
 sharded delta that a node rebuilds to the hash of the same weights gathered whole, published in
 memory well under a shard; a lost shard upload refused on every rank; a rank killed mid-publish
-(a tiny Llama) leaves no version.
+(a tiny Llama) leaves no version; a mixture of experts' shards hold its checkpoint's names.
 """
 
 from __future__ import annotations
@@ -188,6 +188,23 @@ def test_two_gloo_ranks_publish_a_sharded_delta_a_node_rebuilds(tmp_path: Path) 
     manifests = {v.store_key for v in registry.versions()}
     shards = {k for key in manifests for k in object_keys(registry.store, key)}
     assert set(registry.store.list("bench/")) == shards  # the refused publish left nothing behind
+
+
+def test_two_gloo_ranks_publish_a_mixture_of_experts_under_its_checkpoints_names(tmp_path: Path) -> None:
+    """A tiny Qwen3-MoE under FSDP2: each fused expert tensor's owner writes it one tensor per expert,
+    as the checkpoint holds it (flywheel/weightnames.py), and a node rebuilds the hash of the
+    same weights gathered whole and exported as the unsharded path exports them."""
+    root = tmp_path / "moe"
+    proc = run_job(root, "sharded", "moe", 2, "--check", timeout_s=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    result = rank0(root)
+    assert (result["version"], result["kind"]) == (1, "delta")
+    assert result["sha256"] == result["gathered_sha256"] == node_load(root, 1)
+    registry = Registry(make_session_factory(make_engine(f"sqlite:///{root / 'registry.db'}")),
+                        FolderStore(root / "store"), "bench")
+    names = registry.load(1).keys()
+    assert "model.layers.1.mlp.experts.5.gate_proj.weight" in names
+    assert not any(n.endswith("experts.gate_up_proj") for n in names)
 
 
 def test_a_rank_killed_mid_publish_leaves_no_version(tmp_path: Path) -> None:
