@@ -17,6 +17,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -92,15 +93,39 @@ def test_shards_partition_a_batch_deterministically() -> None:
     assert [Dist(rank=r, world_size=3).shard(items[:2]) for r in range(3)] == [["s0"], ["s1"], []]
 
 
+def run_trainer(root: Path, launcher: list[str], registry: Any, samples: int) -> None:
+    """``flywheel trainer`` on ``root/settings.json`` (in one process, or under ``launcher``), until
+    it has trained ``samples`` trajectories; then SIGTERM, and a clean stop after step
+    ``samples / BATCH``."""
+    import signal
+    import time
+
+    from tests.integration.test_trainer_durability import BATCH, trained_ids
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env["OMP_NUM_THREADS"] = "1"
+    log_path = root / "trainer.log"
+    with open(log_path, "wb") as out:
+        proc = subprocess.Popen([sys.executable, *launcher, "-m", "launch.cli", "--config", str(root / "settings.json"),
+                                 "trainer"], cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 180
+    while len(trained_ids(registry)) < samples and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    code = proc.wait(60)
+    log = log_path.read_text()
+    # torchrun answers SIGTERM by passing it to the ranks and exiting 1 itself; rank 0 stops
+    # the loop, tells the other rank to stop, and both leave the process group cleanly.
+    assert code == (1 if launcher else 0), log[-5000:]
+    assert f"trainer stopping at step {samples // BATCH}" in log, log[-5000:]
+
+
 def test_the_trainer_loop_under_torchrun_trains_like_one_process(tiny_model_dir: Path, tmp_path: Path) -> None:
     """``flywheel trainer`` launched by torchrun with 2 gloo ranks (FSDP2) against the same trainer
     as one process, on the same 16 scored trajectories: the same 4 versions, with the same losses,
     nearly the same weights (bf16 exports of fp32 masters whose sums ran in another order), every
     trajectory trained once, and a clean stop on SIGTERM; the 2-rank versions are sharded. Both
     pull towards a KL reference, which the 2-rank trainer shards as it does the policy."""
-    import signal
-    import time
-
     from tests.integration.test_trainer_durability import (
         make_settings,
         registry_for,
@@ -121,22 +146,7 @@ def test_the_trainer_loop_under_torchrun_trains_like_one_process(tiny_model_dir:
         (root / "settings.json").write_text(json.dumps(settings.model_dump(mode="json")))
         registry = registry_for(settings)
         send(settings, [s.to_bytes() for s in samples])
-        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-        env["OMP_NUM_THREADS"] = "1"
-        log_path = root / "trainer.log"
-        with open(log_path, "wb") as out:
-            proc = subprocess.Popen([sys.executable, *launcher, "-m", "launch.cli", "--config", str(root / "settings.json"),
-                                     "trainer"], cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 180
-        while len(trained_ids(registry)) < len(samples) and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.2)
-        proc.send_signal(signal.SIGTERM)
-        code = proc.wait(60)
-        log = log_path.read_text()
-        # torchrun answers SIGTERM by passing it to the ranks and exiting 1 itself; rank 0 stops
-        # the loop, tells the other rank to stop, and both leave the process group cleanly.
-        assert code == (0 if name == "one" else 1), log[-5000:]
-        assert "trainer stopping at step 4" in log, log[-5000:]
+        run_trainer(root, launcher, registry, len(samples))
         runs[name] = registry
     one, two = runs["one"].versions(), runs["two"].versions()
     assert one[-1].metrics["kl"] > 0  # the policy has moved away from the reference
@@ -154,6 +164,69 @@ def test_the_trainer_loop_under_torchrun_trains_like_one_process(tiny_model_dir:
         differing = sum(int((wa[k] != wb[k]).sum()) for k in wa)
         total = sum(t.numel() for t in wa.values())
         assert differing <= 1e-3 * total, (b.version, differing, total)
+
+
+def moe_model_dir(tiny_model_dir: Path, path: Path) -> Path:
+    """A tiny Qwen3-MoE (6 experts, top 2) with the quick model's tokenizer, saved in bf16 as a
+    Hugging Face folder: one tensor per expert in its file, fused parameters in the model."""
+    import shutil
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
+        shutil.copy(tiny_model_dir / name, path / name)
+    tiny = AutoConfig.from_pretrained(tiny_model_dir, local_files_only=True)
+    config = AutoConfig.for_model(
+        "qwen3_moe", vocab_size=tiny.vocab_size, eos_token_id=tiny.eos_token_id, pad_token_id=tiny.pad_token_id,
+        hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_experts=6, num_experts_per_tok=2,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        max_position_embeddings=tiny.max_position_embeddings, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(path)
+    return path
+
+
+def test_a_mixture_of_experts_trains_under_torchrun_on_its_checkpoints_names(tiny_model_dir: Path,
+                                                                             tmp_path: Path) -> None:
+    """``flywheel trainer`` under torchrun (2 gloo ranks, FSDP2, sharded versions, a KL reference)
+    on a mixture of experts whose v0 a node registered from its folder, one tensor per expert: each
+    rank starts from its rows of the fused experts, and every version it publishes holds the
+    folder's names and loads where the folder loads, to the version's hash."""
+    from flywheel.db.session import make_engine, make_session_factory, upgrade
+    from flywheel.lm import export_state, load_state, load_weights
+    from flywheel.weights.codec.state import decode_full, state_sha256
+    from flywheel.weights.registry import Registry
+    from flywheel.weights.store import make_store
+    from tests.integration.test_trainer_durability import make_settings, scored_trajectories, send
+
+    model_dir = moe_model_dir(tiny_model_dir, tmp_path / "moe-model")
+    samples = scored_trajectories(model_dir, 8, seed=3)
+    assert len({s.total_reward for s in samples}) == 2  # advantages that are not all zero
+    root = tmp_path / "run"
+    root.mkdir()
+    settings = make_settings(root, f"sqlite:///{root / 'flywheel.db'}", model_dir, micro_batch_tokens=96, kl_coef=0.1)
+    (root / "settings.json").write_text(json.dumps(settings.model_dump(mode="json")))
+    upgrade(settings.database_url)
+    registry = Registry(make_session_factory(make_engine(settings.database_url)), make_store(settings), settings.model.line)
+    files = decode_full((model_dir / "model.safetensors").read_bytes())
+    v0 = registry.ensure_base(files, reason="test: as a vLLM node registers its folder")
+    assert "model.layers.1.mlp.experts.5.down_proj.weight" in files
+    assert v0.sha256 == state_sha256(export_state(load_weights(model_dir)))
+    send(settings, [s.to_bytes() for s in samples])
+
+    run_trainer(root, ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"], registry, len(samples))
+    versions = registry.versions()
+    assert [v.version for v in versions] == [0, 1, 2]
+    assert all(v.store_key.endswith(".manifest") for v in versions[1:])
+    assert versions[-1].metrics["kl"] > 0
+    last = registry.load(versions[-1].version)
+    assert last.keys() == files.keys()
+    moved = [n for n in files if not torch.equal(last[n], files[n])]
+    assert any(".experts." in n for n in moved), moved  # the experts trained, not only the rest
+    served = load_weights(model_dir)
+    load_state(served, last)
+    assert state_sha256(export_state(served)) == versions[-1].sha256
 
 
 def test_a_model_without_weights_reads_them_from_files(tiny_model_dir: Path, tmp_path: Path) -> None:
