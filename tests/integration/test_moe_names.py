@@ -13,13 +13,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from flywheel.db.session import make_engine, make_session_factory, upgrade
 from flywheel.lm import export_state, load_state, load_weights, skeleton_model
 from flywheel.weightnames import conversions, to_checkpoint, to_model
-from flywheel.weights.codec.state import decode_full, state_sha256
+from flywheel.weights.codec.state import state_sha256
 from flywheel.weights.codec.tensorfile import weight_files
-from flywheel.weights.registry import Registry
-from flywheel.weights.store import FolderStore
+from tests.integration.test_persistent_buffers import node_registry
 from trainer.distributed import SINGLE
 from trainer.shard_publish import ShardedPublisher
 
@@ -76,11 +74,7 @@ def test_an_export_is_the_checkpoint_and_loads_back_either_way(tmp_path: Path, m
 
 def test_a_trainer_starts_from_a_nodes_base_and_its_versions_load_where_the_folder_does(tmp_path: Path) -> None:
     files = moe_folder(tmp_path / "model")
-    url = f"sqlite:///{tmp_path / 'registry.db'}"
-    upgrade(url)
-    registry = Registry(make_session_factory(make_engine(url)), FolderStore(tmp_path / "store"), "moe", full_every=50)
-    # v0 as a vLLM node registers it: the folder's tensors, one per expert.
-    v0 = registry.ensure_base(decode_full((tmp_path / "model" / "model.safetensors").read_bytes()), reason="node")
+    registry, v0 = node_registry(tmp_path, "moe")  # the folder's tensors, one per expert
 
     model = load_weights(tmp_path / "model")
     with torch.no_grad():

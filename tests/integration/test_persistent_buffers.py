@@ -14,7 +14,7 @@ from flywheel.db.session import make_engine, make_session_factory, upgrade
 from flywheel.lm import export_state, load_state, load_weights, persistent_buffers, skeleton_model
 from flywheel.weights.codec.state import decode_full, state_sha256
 from flywheel.weights.codec.tensorfile import weight_files
-from flywheel.weights.registry import Registry
+from flywheel.weights.registry import Registry, VersionInfo
 from flywheel.weights.store import FolderStore
 from trainer.distributed import SINGLE
 from trainer.shard_publish import ShardedPublisher
@@ -54,13 +54,19 @@ def test_a_checkpoints_persistent_buffers_reach_a_model_without_weights(tmp_path
     assert all(torch.equal(got[n], value) for n, value in trained.items())
 
 
-def test_versions_carry_the_persistent_buffers_on_every_publish_path(tmp_path: Path) -> None:
-    trained = gemma_folder(tmp_path / "model")
+def node_registry(tmp_path: Path, line: str) -> tuple[Registry, VersionInfo]:
+    """A registry in ``tmp_path`` and its v0 as a vLLM node registers it from the model folder
+    ``tmp_path / "model"``: every tensor of the folder's file, under the file's names."""
     url = f"sqlite:///{tmp_path / 'registry.db'}"
     upgrade(url)
-    registry = Registry(make_session_factory(make_engine(url)), FolderStore(tmp_path / "store"), "g4", full_every=50)
-    # v0 as a vLLM node registers it: every tensor of the folder's files, the buffers included.
-    v0 = registry.ensure_base(decode_full((tmp_path / "model" / "model.safetensors").read_bytes()), reason="node")
+    registry = Registry(make_session_factory(make_engine(url)), FolderStore(tmp_path / "store"), line, full_every=50)
+    return registry, registry.ensure_base(decode_full((tmp_path / "model" / "model.safetensors").read_bytes()),
+                                          reason="node")
+
+
+def test_versions_carry_the_persistent_buffers_on_every_publish_path(tmp_path: Path) -> None:
+    trained = gemma_folder(tmp_path / "model")
+    registry, v0 = node_registry(tmp_path, "g4")  # the buffers included
     assert trained.keys() <= registry.load(0).keys()
 
     # A trainer starts from it (load_state refused the buffers' names before versions carried them).
