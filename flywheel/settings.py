@@ -427,9 +427,9 @@ class TrainerSettings(_Section):
     device: Literal["cpu", "cuda", "auto"] = "cpu"
     #: Under torchrun (trainer/distributed.py): FSDP2 where this torch has it (auto), or DDP.
     parallel: Literal["auto", "fsdp2", "ddp"] = "auto"
-    #: Under torchrun with FSDP2, full-parameter: each rank checkpoints and publishes its own shard
-    #: (trainer/shard_publish.py; no rank gathers the model or Adam state; inline, not in the
-    #: background); off: rank 0 gathers both at each publish point.
+    #: Full-parameter: each rank checkpoints and publishes its own shard (trainer/shard_publish.py;
+    #: no rank gathers the model or Adam state; inline) under torchrun with FSDP2, and in one process
+    #: with publish_in_background off (the live model streamed as one shard). Off: rank 0 gathers both.
     sharded_versions: bool = True
     #: Samples whose behaviour version is more than this many versions old are dropped.
     max_staleness: int = Field(4, ge=0)

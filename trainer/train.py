@@ -13,6 +13,11 @@ loop (consume -> buffer -> step) -> every ``trainer.steps_per_version`` steps, o
   does any rank read the whole model to start: every rank builds it without weights, and reads its
   own rows of what it starts from (``Dist.wrap``): the version rank 0 rebuilt into a file tensor by
   tensor (``flywheel.weights.files.rebuild_file``), or its own shards of a sharded checkpoint.
+  In one process with ``trainer.publish_in_background`` off, the same path is the bounded-memory
+  way to publish: the checkpoint (DCP, no process group) and the version (one shard) are written
+  from the live model tensor by tensor, the previous version's shard is a file, and the start
+  reads the version from a file: no copy of the master, the Adam state or an export, and no
+  parent state, is ever held whole.
 - Otherwise publishing runs off the critical path (``trainer.publish_in_background``, trainer/publisher.py).
   At the cut the loop gathers the full fp32 master and Adam state (a collective under torchrun:
   every rank, synchronously), takes the bf16 export (from rank 0's replica under torchrun), keeps
@@ -152,8 +157,10 @@ def _train(settings: Settings, stop: threading.Event, dist: Dist) -> None:
     # --- setup: every rank builds the model; rank 0 finds its weights (checkpoint or registry) ----
     model_path = settings.model.local_dir()
     # Under FSDP2 a full-parameter trainer checkpoints and publishes each rank's own shard, and
-    # every rank starts from its own rows of the weights (module docstring).
-    sharded = cfg.sharded_versions and dist.enabled and dist.wrapper == "fsdp2" and cfg.lora_rank == 0
+    # every rank starts from its own rows of the weights; in one process, publishing inline, the
+    # same path streams the whole model as one shard (module docstring).
+    sharded = cfg.sharded_versions and cfg.lora_rank == 0 and (
+        dist.wrapper == "fsdp2" if dist.enabled else not cfg.publish_in_background)
     # fp32 master; eval: no dropout, the function the engine served. Otherwise rank 0's weights
     # are every rank's (Dist.wrap): the others build the model without any and take their shards.
     model = skeleton_model(model_path) if sharded else dist.start_model(model_path)

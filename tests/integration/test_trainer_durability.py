@@ -11,7 +11,9 @@ purpose, in process, by a publish that dies just before or just after its row is
 Publishing runs in the background by default (``trainer.publish_in_background``,
 trainer/publisher.py), so the random kills mostly land while a checkpoint write or a publish is in
 flight in the worker thread and the next step trains, and the injected crashes are raised in that
-worker and surface in the loop; the ``full_inline`` variant kills the inline publisher. The
+worker and surface in the loop; the ``full_inline`` variant publishes inline in one process, which
+streams the live model (``trainer.sharded_versions``: a DCP checkpoint and one-shard versions), and
+kills that. The
 ``sharded_2_ranks`` variant runs the trainer under torchrun with 2 gloo ranks (FSDP2), each rank
 checkpointing and publishing its own shard (``trainer.sharded_versions``), and kills the whole job
 (torchrun and both ranks) with -9, as a lost host would be. The last test checks that a version
@@ -94,6 +96,8 @@ VARIANTS = {
 }
 #: Variants run under torchrun (the rest in one process).
 TORCHRUN = {"sharded_2_ranks": ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]}
+#: Variants whose checkpoints and versions are sharded (one shard in one process).
+SHARDED = {"sharded_2_ranks", "full_inline"}
 
 
 def make_settings(tmp_path: Path, db_url: str, model_dir: Path, **trainer: Any) -> Settings:
@@ -218,7 +222,7 @@ def test_kill_9_at_a_random_moment_then_restart_loses_and_repeats_nothing(
     # torchrun passes SIGTERM to the ranks, which stop cleanly, and exits 1 itself.
     assert code == (1 if launcher else 0), log[-4000:]
     assert "resumed from checkpoint" in log and "trainer stopping at step" in log, log[-4000:]
-    if launcher:  # every version after v0 and every checkpoint sharded: no rank gathered a state
+    if variant in SHARDED:  # every version after v0 and every checkpoint sharded: no rank gathered a state
         assert all(v.store_key.endswith(".manifest") for v in registry.versions()[1:]), context
         checkpoints = list((settings.data_path / "trainer" / settings.model.line).iterdir())
         assert any(p.name.endswith(".dcp") for p in checkpoints), (context, checkpoints)
@@ -384,7 +388,7 @@ def test_each_version_names_the_weights_of_its_step_while_later_steps_train(
     for background in (True, False):
         root = tmp_path / ("background" if background else "inline")
         settings = make_settings(root, f"sqlite:///{root / 'flywheel.db'}", tiny_model_dir,
-                                 publish_in_background=background)
+                                 publish_in_background=background, sharded_versions=False)  # Publisher, both
         settings = settings.model_copy(update={"bus": settings.bus.model_copy(update={"partitions": 1})})  # same batches
         registry = registry_for(settings)
         send(settings, [s.to_bytes() for s in part])
