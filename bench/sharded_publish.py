@@ -1,11 +1,13 @@
 """Rank 0's peak RSS during a delta publish under torchrun: sharded (trainer/shard_publish.py) vs a full gather.
 
 Each mode is its own ``torchrun --nproc_per_node N`` job on CPU (gloo, FSDP2), in the same run,
-on the same locally built Llama (``--size``: ``small`` ~106M parameters, ``medium`` ~0.44B,
-``tiny`` for tests, ``moe`` a tiny Qwen3-MoE; built from a config with a fixed seed, never downloaded). Every rank wraps the
-model, allocates AdamW's moments (what a training rank holds), and the job publishes v0 (a full
-version) and then, after a deterministic elementwise change of about one weight in eight (the same
-whatever the sharding), v1 as a delta on v0, into its own SQLite registry and folder store:
+or with ``--ranks 1`` its own plain process, as a single-process trainer runs (its sharded modes
+are the trainer's inline publish point in one process). The model is the same locally built Llama
+(``--size``: ``small`` ~106M parameters, ``medium`` ~0.44B, ``tiny`` for tests, ``moe`` a tiny
+Qwen3-MoE; built from a config with a fixed seed, never downloaded). Every rank wraps the model,
+allocates AdamW's moments (what a training rank holds), and the job publishes v0 (a full version)
+and then, after a deterministic elementwise change of about one weight in eight (the same whatever
+the sharding), v1 as a delta on v0, into its own SQLite registry and folder store:
 
 - ``gather``: what the trainer does today: ``Dist.full_state_dict`` (the fp32 master on rank 0),
   its bf16 export, ``Registry.publish`` against the parent's export rank 0 keeps (the trainer's
@@ -13,6 +15,8 @@ whatever the sharding), v1 as a delta on v0, into its own SQLite registry and fo
   this baseline understates today's cost.
 - ``gather+adam``: the same plus ``Dist.optimizer_state_dict``, the Adam gather the checkpoint at
   a publish point needs today (checkpoints are not sharded yet).
+- ``gather+ckpt``: the whole gathered publish point: the same, with the checkpoint written
+  (``checkpoint.save``: the master and Adam state) before the publish.
 - ``sharded``: ``ShardedPublisher.publish``: each rank codes and uploads its own shard, rank 0
   writes the manifest.
 - ``sharded+ckpt``: the trainer's publish point with ``trainer.sharded_versions``:
@@ -27,6 +31,7 @@ checks that it rebuilds the gather run's v1 hash. Prints a table; writes JSON (`
 
     .venv/bin/python -m bench.sharded_publish --json /tmp/sharded_publish.json
     .venv/bin/python -m bench.sharded_publish --size tiny            # quick
+    .venv/bin/python -m bench.sharded_publish --ranks 1 --modes gather+ckpt,sharded+ckpt
 
 ``--worker`` is one rank's side (the driver starts it under torchrun); ``--check`` also gathers v1
 whole and hashes it; ``--fault drop|kill`` then publishes v2 with rank 1 losing its shard upload
@@ -50,7 +55,7 @@ from typing import Any
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-MODES = ("gather", "gather+adam", "sharded", "sharded+ckpt")
+MODES = ("gather", "gather+adam", "gather+ckpt", "sharded", "sharded+ckpt")
 SIZES = {
     "medium": {"vocab_size": 32000, "hidden_size": 1536, "intermediate_size": 4096, "num_hidden_layers": 12,
                "num_attention_heads": 12},
@@ -163,18 +168,21 @@ def worker(args: argparse.Namespace) -> None:
     def gather_publish(parent: int | None) -> Any:
         nonlocal published
         master = dist.full_state_dict(model)
-        if args.mode == "gather+adam":
-            adam = dist.optimizer_state_dict(model, optimizer)
+        adam = dist.optimizer_state_dict(model, optimizer) if args.mode in ("gather+adam", "gather+ckpt") else None
         info = None
         if dist.is_main:
+            if args.mode == "gather+ckpt":  # the gathered publish point: checkpoint, then publish
+                checkpoint.save(root / "checkpoints", checkpoint.Checkpoint(
+                    model_line="bench", step=0 if parent is None else parent + 1, parent=parent or 0,
+                    parent_sha256="", publish_token="bench", metrics={}, model=master, optimizer=adam or {},
+                    scheduler={}, buffer={}, offsets={}))
             export = {k: v.contiguous() for k, v in to_checkpoint(unwrap(model), {
                 k: v.to(torch.bfloat16) for k, v in master.items()}).items()}  # export_state's names
             del master
             assert registry is not None
             info = registry.publish(export, parent=parent, parent_state=published)
             published = export
-        if args.mode == "gather+adam":
-            del adam
+        del adam
         return dist.broadcast_object(info)
 
     def publish(parent: int | None) -> Any:
@@ -229,13 +237,14 @@ def run_job(root: Path, mode: str, size: str, ranks: int, *extra: str, timeout_s
 
 
 def torchrun(module: str, ranks: int, args: list[str], timeout_s: float) -> subprocess.CompletedProcess:
-    """``module --worker args`` as a ``torchrun`` job of ``ranks`` CPU processes from the repository,
-    one thread each, with big frees returned to the system at once (so ``VmHWM`` measures what
-    is held), outside any torchrun environment this process may have."""
+    """``module --worker args`` as a ``torchrun`` job of ``ranks`` CPU processes from the repository
+    (one rank: the plain process, no torchrun, as a single-process trainer runs), one thread each,
+    with big frees returned to the system at once (so ``VmHWM`` measures what is held), outside
+    any torchrun environment this process may have."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     env.update(OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_="131072")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks),
-           "-m", module, "--worker", *args]
+    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks)] if ranks > 1 else []
+    cmd = [sys.executable, *launcher, "-m", module, "--worker", *args]
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s)
 
 
@@ -278,7 +287,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             assert rows["sharded"]["node_sha256"] == rows["sharded"]["sha256"] == rows["gather"]["sha256"], rows
     base = rows.get("gather", {}).get("peak_mb")
     with_adam = rows.get("gather+adam", {}).get("peak_mb")
-    print(f"{args.ranks} gloo ranks, {next(iter(rows.values()))['params'] / 1e6:.1f}M parameters; rank 0 during v1's publish")
+    who = f"{args.ranks} gloo ranks" if args.ranks > 1 else "one process (no torchrun)"
+    print(f"{who}, {next(iter(rows.values()))['params'] / 1e6:.1f}M parameters; rank 0 during v1's publish")
     print(f"{'mode':<13} {'kind':<6} {'MB before':>10} {'peak MB':>9} {'growth MB':>10} {'vs gather':>10} "
           f"{'vs +adam':>9} {'seconds':>8}")
     for mode, r in rows.items():
