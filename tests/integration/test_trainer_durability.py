@@ -254,10 +254,11 @@ def test_kill_9_at_a_random_moment_then_restart_loses_and_repeats_nothing(
         assert v0 and all(".lora_A." in k or ".lora_B." in k for k in v0), context
         assert all(not t.any() for k, t in v0.items() if ".lora_B." in k), context
         assert registry.load(registry.latest().version).keys() == v0.keys(), context  # type: ignore[union-attr]
-    if launcher:
+    if variant in SHARDED:
         # The job restarted with sharded versions off: it resumes the sharded checkpoint and publishes
         # gathered. Then on again: every rank reads its own rows of the gathered checkpoint's weights
         # (the version published from it checked against the ranks' shards) and publishes shards.
+        # One process does the same between its streamed and its gathered inline points.
         gathered = settings.model_copy(update={"trainer": settings.trainer.model_copy(update={"sharded_versions": False})})
         for round_no, (run, manifest) in enumerate(((gathered, False), (settings, True)), start=1):
             config.write_text(json.dumps(run.model_dump(mode="json")))
@@ -270,7 +271,7 @@ def test_kill_9_at_a_random_moment_then_restart_loses_and_repeats_nothing(
             finally:
                 proc.send_signal(signal.SIGTERM)
                 code = proc.wait(60)
-            assert code == 1, log_path.read_text()[-4000:]
+            assert code == (1 if launcher else 0), log_path.read_text()[-4000:]
             new = registry.get(last + 1)
             assert new.store_key.endswith(".manifest") == manifest and new.parent == last, (context, new)
             assert sorted(new.metrics["trajectory_ids"]) == sorted(s.trajectory_id for s in more), (context, new)
