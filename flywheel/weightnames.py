@@ -27,6 +27,9 @@ from collections.abc import Mapping, Sequence
 import torch
 from transformers.conversion_mapping import get_model_conversion_mapping
 from transformers.core_model_loading import (
+    Chunk,
+    Concatenate,
+    MergeModulelist,
     PrefixChange,
     WeightConverter,
     WeightRenaming,
@@ -67,6 +70,35 @@ def pieces(model: torch.nn.Module, name: str, shape: Sequence[int],
     ``{name: (dtype, shape)}`` itself where nothing converts it."""
     meta = to_checkpoint(model, {name: torch.empty(tuple(shape), dtype=dtype, device="meta")})
     return {piece: (t.dtype, tuple(t.shape)) for piece, t in meta.items()}
+
+
+def row_pieces(model: torch.nn.Module, name: str, shape: Sequence[int], dtype: torch.dtype,
+               start: int, stop: int) -> list[str] | None:
+    """The checkpoint's tensors that rows ``start:stop`` of the model's tensor ``name`` are made of,
+    where its conversion stacks them along dim 0 and leaves that dimension alone after (a mixture
+    of experts: row ``i`` is expert ``i`` of each projection, ``MergeModulelist(dim=0)`` then a
+    ``Concatenate`` along dim 1): :func:`to_model` of just those gives exactly those rows. None
+    where the conversion is anything else (read the whole tensor then)."""
+    transforms = conversions(model)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    groups: dict[str, list[str]] = {}
+    used: set[int] = set()
+    for piece in pieces(model, name, shape, dtype):
+        renamed, pattern = rename_source_key(piece, renamings, converters)
+        if renamed != name or pattern is None:
+            return None
+        used.update(id(c) for c in converters if pattern in c.source_patterns)
+        groups.setdefault(pattern, []).append(piece)
+    if len(used) != 1:
+        return None
+    ops = next(c for c in converters if id(c) in used).operations
+    stacks = isinstance(ops[0], MergeModulelist) and ops[0].dim == 0
+    if not stacks or not all(isinstance(op, (Concatenate, Chunk)) and op.dim != 0 for op in ops[1:]):
+        return None
+    if any(len(group) != shape[0] for group in groups.values()):
+        return None
+    return [piece for group in groups.values() for piece in sorted(group, key=dot_natural_key)[start:stop]]
 
 
 def to_model(model: torch.nn.Module, state: State) -> dict[str, torch.Tensor]:

@@ -77,7 +77,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel
 
 from flywheel.lm import load_state, load_weights, persistent_buffers, skeleton_model
-from flywheel.weightnames import pieces, to_model
+from flywheel.weightnames import pieces, row_pieces, to_model
 from flywheel.weights.codec.tensorfile import TensorFiles
 from trainer.batch import Batch
 
@@ -457,8 +457,8 @@ def _read_rows(model: torch.nn.Module, paths: Sequence[str | Path]) -> None:
     parameter by name with its shape (``KeyError``/``ValueError`` otherwise); values are cast to
     the parameter's dtype (a bf16 version into the fp32 master). A parameter the files hold under
     the checkpoint's names and layout instead (``flywheel.weightnames``: a mixture of experts'
-    per-expert tensors) is put together from them whole, one parameter at a time, and its rows
-    taken from that."""
+    per-expert tensors) is put together from them, one parameter at a time: from this rank's
+    experts alone where its rows are whole experts, else whole, and its rows taken from that."""
     missing = [os.fspath(p) for p in paths if not os.path.exists(p)]
     if missing:  # another host's file: the folder is not shared
         raise FileNotFoundError(f"this rank cannot see {missing}: every rank reads its rows of the same files, "
@@ -466,34 +466,44 @@ def _read_rows(model: torch.nn.Module, paths: Sequence[str | Path]) -> None:
     with TensorFiles(list(paths)) as files, torch.no_grad():
         for name, param in model.named_parameters():
             local, start = _local_rows(name, param)
-            with _whole(model, name, param, files, paths) as whole:
-                local.copy_(whole if start is None else whole[start:start + local.shape[0]])
+            with _rows(model, name, param, files, paths, start, local.shape[0]) as rows:
+                local.copy_(rows)
 
 
 @contextlib.contextmanager
-def _whole(model: torch.nn.Module, name: str, param: torch.Tensor, files: TensorFiles,
-           paths: Sequence[str | Path]) -> Iterator[torch.Tensor]:
-    """The whole of parameter ``name`` as ``files`` hold it: a view of its tensor, or the model's
-    tensor put together from the checkpoint's pieces of it (``to_model``)."""
-    sources = [name] if name in files.index else list(pieces(model, name, param.shape, param.dtype))
+def _rows(model: torch.nn.Module, name: str, param: torch.Tensor, files: TensorFiles, paths: Sequence[str | Path],
+          start: int | None, count: int) -> Iterator[torch.Tensor]:
+    """Rows ``start:start + count`` of parameter ``name`` as ``files`` hold it (all of it when
+    ``start`` is None): a view of its tensor; or, where the files hold the checkpoint's pieces of
+    it (``flywheel.weightnames``), the rows put together from the pieces they are made of (a
+    mixture of experts: this rank's experts only, ``row_pieces``), else from all of its pieces,
+    one parameter at a time."""
+    shape = tuple(param.shape)
+    if name in files.index:
+        info = files.index[name]
+        if tuple(info.shape) != shape:
+            raise ValueError(f"{name}: shape {tuple(info.shape)} in the file, {shape} in the model")
+        with files.view(name) as whole:
+            yield whole if start is None else whole[start:start + count]
+        return
+    sources = None if start is None else row_pieces(model, name, shape, param.dtype, start, start + count)
+    only_rows = sources is not None
+    if sources is None:
+        sources = list(pieces(model, name, shape, param.dtype))
     absent = [s for s in sources if s not in files.index]
     if absent:
         raise KeyError(f"{absent[0]} is not in {[os.fspath(p) for p in paths]}")
-    if sources == [name]:
-        info = files.index[name]
-        if tuple(info.shape) != tuple(param.shape):
-            raise ValueError(f"{name}: shape {tuple(info.shape)} in the file, {tuple(param.shape)} in the model")
-        with files.view(name) as whole:
-            yield whole
+    want = (count, *shape[1:]) if only_rows else shape
+    if not sources:  # a rank with no rows of it
+        yield torch.empty(want, dtype=param.dtype)
         return
     with contextlib.ExitStack() as views:
         held = {s: views.enter_context(files.view(s)) for s in sources}
-        whole = to_model(model, held)[name]
-        if tuple(whole.shape) != tuple(param.shape):
-            raise ValueError(f"{name}: shape {tuple(whole.shape)} from the files' {sources[:2]}..., "
-                             f"{tuple(param.shape)} in the model")
+        built = to_model(model, held)[name]
+        if tuple(built.shape) != want:
+            raise ValueError(f"{name}: shape {tuple(built.shape)} from the files' {sources[:2]}..., {want} wanted")
         del held
-        yield whole
+        yield built if only_rows or start is None else built[start:start + count]
 
 
 def _local_rows(name: str, param: torch.Tensor) -> tuple[torch.Tensor, int | None]:

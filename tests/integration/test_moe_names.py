@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from flywheel.lm import export_state, load_state, load_weights, skeleton_model
-from flywheel.weightnames import conversions, to_checkpoint, to_model
+from flywheel.weightnames import conversions, row_pieces, to_checkpoint, to_model
 from flywheel.weights.codec.state import state_sha256
 from flywheel.weights.codec.tensorfile import weight_files
 from tests.integration.test_persistent_buffers import node_registry
@@ -113,6 +113,25 @@ def test_a_model_without_weights_reads_its_fused_rows_from_the_folder(tmp_path: 
     got = model.state_dict()
     assert got.keys() == whole.keys()
     assert [n for n in whole if not torch.equal(got[n], whole[n])] == []
+
+
+def test_a_ranks_rows_of_the_fused_experts_come_from_its_own_experts(tmp_path: Path) -> None:
+    """Under FSDP2 a rank's rows of a fused expert tensor are whole experts: ``row_pieces`` names
+    the checkpoint tensors of just those, and they make exactly those rows. A tensor nothing
+    converts, or one whose rows are not experts, has none."""
+    files = moe_folder(tmp_path / "model")
+    model = load_weights(tmp_path / "model")
+    fused = [(n, p) for n, p in model.named_parameters() if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]
+    assert len(fused) == 4
+    for name, p in fused:
+        rows = row_pieces(model, name, p.shape, p.dtype, 9, 12)
+        assert rows is not None and {r.split(".experts.")[1].split(".")[0] for r in rows} == {"9", "10", "11"}
+        assert len(rows) == (6 if name.endswith("gate_up_proj") else 3)
+        built = to_model(model, {r: files[r] for r in rows})[name]
+        assert torch.equal(built, p.detach().to(torch.bfloat16)[9:12])
+        assert row_pieces(model, name, p.shape, p.dtype, 4, 4) == []
+    weight = model.get_parameter("model.embed_tokens.weight")
+    assert row_pieces(model, "model.embed_tokens.weight", weight.shape, weight.dtype, 0, 2) is None
 
 
 def test_a_merged_lora_policy_loads_and_publishes_the_checkpoints_names(tmp_path: Path) -> None:

@@ -219,6 +219,8 @@ def test_a_mixture_of_experts_trains_under_torchrun_on_its_checkpoints_names(tin
     versions = registry.versions()
     assert [v.version for v in versions] == [0, 1, 2]
     assert all(v.store_key.endswith(".manifest") for v in versions[1:])
+    # v1's first step scored the samples as v0 served them: the ranks started from v0's weights.
+    assert versions[1].metrics["parity_max"] < 1e-4 and versions[1].metrics["kl"] == 0.0
     assert versions[-1].metrics["kl"] > 0
     last = registry.load(versions[-1].version)
     assert last.keys() == files.keys()
