@@ -22,7 +22,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -259,14 +259,21 @@ def load_state(model: PreTrainedModel, state: dict[str, torch.Tensor]) -> None:
     versions carried them has none; a model folder's files have them all). Names and shapes are
     the checkpoint's or the model's own (``flywheel.weightnames.to_model``: a trainer's fp32
     master state has the model's)."""
-    state = to_model(model, state)
-    params = dict(model.named_parameters())
-    buffers = persistent_buffers(model)
+    for _, target, src in pair_state(dict(model.named_parameters()), persistent_buffers(model), to_model(model, state)):
+        target.copy_(src)
+
+
+def pair_state(params: Mapping[str, torch.Tensor], buffers: Mapping[str, torch.Tensor],
+               state: Mapping[str, torch.Tensor]) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """``(name, the model's tensor, the state's)`` for every one of ``params`` and each of
+    ``buffers`` that ``state`` holds, checked: a parameter missing or a name that is neither is a
+    ``KeyError``, a shape that differs a ``ValueError``. What every loader of a version or a
+    master state copies (:func:`load_state`, the merged-LoRA policy, ``Dist.load_full_state``)."""
     missing, unexpected = params.keys() - state.keys(), state.keys() - params.keys() - buffers.keys()
     if missing or unexpected:
         raise KeyError(f"state does not match the model: missing {sorted(missing)}, unexpected {sorted(unexpected)}")
-    for name, p in [*params.items(), *((n, b) for n, b in buffers.items() if n in state)]:
-        src = state[name]
-        if src.shape != p.shape:
-            raise ValueError(f"{name}: shape {tuple(src.shape)} does not match the model's {tuple(p.shape)}")
-        p.copy_(src)
+    pairs = [(name, t, state[name]) for name, t in [*params.items(), *((n, b) for n, b in buffers.items() if n in state)]]
+    for name, t, src in pairs:
+        if tuple(src.shape) != tuple(t.shape):
+            raise ValueError(f"{name}: shape {tuple(src.shape)} does not match the model's {tuple(t.shape)}")
+    return pairs

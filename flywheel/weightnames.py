@@ -22,7 +22,10 @@ it did not load), so a model built from its config and one loaded from its folde
 from __future__ import annotations
 
 import copy
+import threading
+import weakref
 from collections.abc import Mapping, Sequence
+from typing import NamedTuple
 
 import torch
 from transformers.conversion_mapping import get_model_conversion_mapping
@@ -43,13 +46,36 @@ from transformers.core_model_loading import (
 State = Mapping[str, torch.Tensor]
 
 
+class _Conversions(NamedTuple):
+    """A model's transforms, looked up once: checkpoint -> model (``forward``) and back."""
+
+    forward: list[WeightTransform]
+    reverse: list[WeightTransform]
+
+
+_FOUND: weakref.WeakKeyDictionary[torch.nn.Module, _Conversions] = weakref.WeakKeyDictionary()
+_FOUND_LOCK = threading.Lock()
+
+
+def _found(model: torch.nn.Module) -> _Conversions:
+    """``model``'s conversions, from transformers the first time (a walk of its modules), kept for
+    as long as the model lives: exports, loads and the per-tensor calls of the sharded publisher
+    and the rows reader ask for them again and again."""
+    with _FOUND_LOCK:
+        found = _FOUND.get(model)
+        if found is None:
+            forward = []
+            if hasattr(model, "config"):  # not a transformers model (a test's toy): none
+                forward = [t for t in get_model_conversion_mapping(model, add_legacy=False)
+                           if not isinstance(t, PrefixChange)]  # no prefix games: the names are the model's
+            found = _FOUND[model] = _Conversions(forward, [t.reverse_transform() for t in forward[::-1]])
+        return found
+
+
 def conversions(model: torch.nn.Module) -> list[WeightTransform]:
     """The transforms that take ``model``'s checkpoint to its parameters (empty: the names are the
     checkpoint's). A module that is not a transformers model (a test's toy) has none."""
-    if not hasattr(model, "config"):
-        return []
-    found = get_model_conversion_mapping(model, add_legacy=False)
-    return [t for t in found if not isinstance(t, PrefixChange)]  # no prefix games: the names are the model's
+    return _found(model).forward
 
 
 def to_checkpoint(model: torch.nn.Module, state: State) -> dict[str, torch.Tensor]:
@@ -57,10 +83,10 @@ def to_checkpoint(model: torch.nn.Module, state: State) -> dict[str, torch.Tenso
     experts split into one tensor per expert and projection. Views where the conversion allows
     (a split), copies where it does not (a transpose); a caller that needs contiguous tensors
     makes them so. ``state`` itself, as a new dict, when the model has no conversions."""
-    transforms = conversions(model)
-    if not transforms:
+    reverse = _found(model).reverse
+    if not reverse:
         return dict(state)
-    return _apply(model, state, [t.reverse_transform() for t in transforms[::-1]], reverse=True)
+    return _apply(model, state, reverse, reverse=True)
 
 
 def pieces(model: torch.nn.Module, name: str, shape: Sequence[int],
@@ -79,9 +105,7 @@ def row_pieces(model: torch.nn.Module, name: str, shape: Sequence[int], dtype: t
     of experts: row ``i`` is expert ``i`` of each projection, ``MergeModulelist(dim=0)`` then a
     ``Concatenate`` along dim 1): :func:`to_model` of just those gives exactly those rows. None
     where the conversion is anything else (read the whole tensor then)."""
-    transforms = conversions(model)
-    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
-    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    renamings, converters = _kinds(conversions(model))
     groups: dict[str, list[str]] = {}
     used: set[int] = set()
     for piece in pieces(model, name, shape, dtype):
@@ -116,8 +140,7 @@ def _apply(model: torch.nn.Module, state: State, transforms: list[WeightTransfor
     """What ``transformers`` does to a whole state dict when it loads (``reverse=False``) or saves
     (``reverse=True``) one, without its loading machinery (devices, quantizers, thread pools):
     group each key's tensor into its target's converter, then convert each target."""
-    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
-    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    renamings, converters = _kinds(transforms)
     by_pattern = {pattern: converter for converter in converters for pattern in converter.source_patterns}
     targets: dict[str, WeightTransform] = {}
     for key, tensor in sorted(state.items(), key=lambda kv: dot_natural_key(kv[0])):  # experts in order: 2 < 10
@@ -146,3 +169,8 @@ def _apply(model: torch.nn.Module, state: State, transforms: list[WeightTransfor
             out[name] = value
     return out
 
+
+def _kinds(transforms: list[WeightTransform]) -> tuple[list[WeightRenaming], list[WeightConverter]]:
+    """The renamings and the converters among ``transforms``, each in order."""
+    return ([t for t in transforms if isinstance(t, WeightRenaming)],
+            [t for t in transforms if isinstance(t, WeightConverter)])

@@ -76,7 +76,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel
 
-from flywheel.lm import load_state, load_weights, persistent_buffers, skeleton_model
+from flywheel.lm import load_state, load_weights, pair_state, persistent_buffers, skeleton_model
 from flywheel.weightnames import to_model
 from trainer.batch import Batch
 from trainer.rows import read_rows
@@ -343,23 +343,13 @@ class Dist:
             return
         full: dict[str, torch.Tensor] = {}
         if self.is_main:
-            state = to_model(unwrap(model), state)  # an export's checkpoint names: the model's
-            params = dict(unwrap(model).named_parameters())
-            buffers = persistent_buffers(unwrap(model))  # an export's: sent with the parameters
-            missing, unexpected = params.keys() - state.keys(), state.keys() - params.keys() - buffers.keys()
-            if missing or unexpected:
-                raise KeyError(f"state does not match the model: missing {sorted(missing)}, unexpected {sorted(unexpected)}")
-            first = {id(p): name for name, p in params.items()}
-            for name, p in unwrap(model).named_parameters(remove_duplicate=False):  # tied: every alias
-                src = state[first[id(p)]]
-                if tuple(src.shape) != tuple(p.shape):
-                    raise ValueError(f"{name}: shape {tuple(src.shape)} does not match the model's {tuple(p.shape)}")
-                full[name] = src.to(p.dtype)
-            for name in buffers.keys() & state.keys():
-                if tuple(state[name].shape) != tuple(buffers[name].shape):
-                    raise ValueError(f"{name}: shape {tuple(state[name].shape)} does not match the model's "
-                                     f"{tuple(buffers[name].shape)}")
-                full[name] = state[name].to(buffers[name].dtype)
+            plain = unwrap(model)
+            buffers = persistent_buffers(plain)  # an export's: sent with the parameters
+            # An export's checkpoint names are the model's here; each tensor's source, checked.
+            sources = {id(t): src for _, t, src in pair_state(dict(plain.named_parameters()), buffers, to_model(plain, state))}
+            for name, t in [*plain.named_parameters(remove_duplicate=False), *buffers.items()]:  # tied: every alias
+                if id(t) in sources:  # a buffer the state lacks keeps its value
+                    full[name] = sources[id(t)].to(t.dtype)
         options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
         set_model_state_dict(model, full, options=options)
 

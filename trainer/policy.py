@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from flywheel.lm import buffer_state, export_state, load_state, persistent_buffers
+from flywheel.lm import buffer_state, export_state, load_state, pair_state, persistent_buffers
 from flywheel.settings import TrainerSettings
 from flywheel.weightnames import to_checkpoint, to_model
 from flywheel.weights.codec.state import state_sha256
@@ -112,15 +112,11 @@ class Policy:
         if self.adapter:
             self._load_adapter(state)
             return
-        state = to_model(self.model.get_base_model(), state)
         params = {_base_name(n): p for n, p in self.model.named_parameters() if ".lora_" not in n}
         buffers = {_base_name(n): b for n, b in persistent_buffers(self.model).items()}
-        missing, unexpected = params.keys() - state.keys(), state.keys() - params.keys() - buffers.keys()
-        if missing or unexpected:
-            raise KeyError(f"state does not match the model: missing {sorted(missing)}, unexpected {sorted(unexpected)}")
         with torch.no_grad():
-            for name, p in [*params.items(), *((n, b) for n, b in buffers.items() if n in state)]:
-                p.copy_(state[name])
+            for _, target, src in pair_state(params, buffers, to_model(self.model.get_base_model(), state)):
+                target.copy_(src)
             for name, p in self.model.named_parameters():
                 if ".lora_B." in name:
                     p.zero_()
